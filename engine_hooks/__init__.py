@@ -1,0 +1,34 @@
+"""engine_hooks: kvwatch's detectors, run inside a paged-KV prefill/decode engine.
+
+Public API:
+
+- :func:`adler32`, :func:`adler32_combine`: zlib-exact Adler-32 over bytes and tensors.
+- :class:`PagedKVPool`: an engine's KV pool as per-layer tensors grouped into pages.
+- :class:`KVWatch`: the detectors wired to the engine's hook points; :class:`Mode`,
+  :class:`Verdict`, :class:`Seal`, :class:`Ticket`, :class:`PoolReport`.
+- :class:`SpoolWriter`: the never-blocking, never-raising record writer.
+
+This package never imports the daemon (``kvwatch``); the wire format lives in ``kvspool``.
+"""
+
+from engine_hooks.checksum import adler32, adler32_combine, adler32_torch
+from engine_hooks.detectors import Mode, PoolReport, Seal, Verdict
+from engine_hooks.pool import Layout, PagedKVPool
+from engine_hooks.spool import DEFAULT_SPOOL_DIR, SpoolWriter
+from engine_hooks.watch import KVWatch, Ticket
+
+__all__ = [
+    "DEFAULT_SPOOL_DIR",
+    "KVWatch",
+    "Layout",
+    "Mode",
+    "PagedKVPool",
+    "PoolReport",
+    "Seal",
+    "SpoolWriter",
+    "Ticket",
+    "Verdict",
+    "adler32",
+    "adler32_combine",
+    "adler32_torch",
+]

@@ -1,0 +1,77 @@
+"""Canary stamps: byte patterns that real KV data cannot hold.
+
+A stamp is the first :data:`STAMP_BYTES` bytes of a page in the pool's first buffer, written as
+elements that are NaN in the pool's KV dtype, with a payload derived from (page, generation,
+purpose). Real keys and values are never NaN, so a page whose stamp is gone was written, and a
+page whose stamp is intact was not. Pages are transferred whole, so a write covers the stamp.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+STAMP_BYTES = 16
+
+
+class Purpose(IntEnum):
+    FREE = 0x5F3E  # stamped on free, must be intact at the next allocation
+    RESERVED = 0x2C91  # stamped when decode reserves, must be gone at admit
+
+
+def supported(kv_dtype: torch.dtype) -> bool:
+    return torch.empty((), dtype=kv_dtype).element_size() in _ENCODERS or kv_dtype == torch.uint8
+
+
+def payload(pages: torch.Tensor, generations: torch.Tensor, purpose: Purpose) -> torch.Tensor:
+    """A 48-bit mix of page id, generation and purpose, per page (int64, on the pages' device)."""
+    mixed = pages * 0x9E3779B1 + generations * 0x85EBCA77 + int(purpose) * 0xC2B2AE3D
+    mixed = mixed ^ (mixed >> 29)
+    mixed = (mixed * 0x94D049BB) & ((1 << 48) - 1)
+    return mixed ^ (mixed >> 17)
+
+
+def _bits(value: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    shifts = torch.arange(count, device=value.device, dtype=torch.int64) * width
+    return (value.unsqueeze(1) >> shifts) & ((1 << width) - 1)
+
+
+def _encode_1(p: torch.Tensor) -> torch.Tensor:
+    # fp8 (e4m3fn and e5m2) and uint8-stored fp8: 0x7F and 0xFF are NaN in both; the sign bit
+    # carries one payload bit per byte.
+    return (0x7F | (_bits(p, STAMP_BYTES, 1) << 7)).to(torch.uint8)
+
+
+def _encode_2(p: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    if kv_dtype == torch.bfloat16:  # exponent 0xFF, mantissa 7 bits kept nonzero
+        words = 0x7F80 | 0x40 | _bits(p, 8, 6)
+    else:  # float16: exponent 0x1F, mantissa 10 bits kept nonzero
+        words = 0x7C00 | 0x200 | _bits(p, 8, 6)
+    return words.to(torch.int16).view(torch.uint8)
+
+
+def _encode_4(p: torch.Tensor) -> torch.Tensor:
+    # float32: exponent 0xFF, quiet bit set, 12 payload bits per element.
+    words = 0x7FC00000 | _bits(p, 4, 12)
+    return words.to(torch.int32).view(torch.uint8)
+
+
+_ENCODERS = {1, 2, 4}
+
+
+def stamps(
+    pages: torch.Tensor, generations: torch.Tensor, purpose: Purpose, kv_dtype: torch.dtype
+) -> torch.Tensor:
+    """The ``[len(pages), STAMP_BYTES]`` uint8 stamps for these pages at these generations."""
+    p = payload(pages, generations, purpose)
+    size = 1 if kv_dtype == torch.uint8 else torch.empty((), dtype=kv_dtype).element_size()
+    if size == 1:
+        out = _encode_1(p)
+    elif size == 2:
+        out = _encode_2(p, kv_dtype)
+    elif size == 4:
+        out = _encode_4(p)
+    else:
+        raise ValueError(f"no canary encoding for {kv_dtype}")
+    return out.reshape(len(pages), STAMP_BYTES)

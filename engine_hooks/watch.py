@@ -1,0 +1,368 @@
+"""KVWatch: the detectors wired to an engine's hook points, reporting to the spool.
+
+An engine (or its adapter) calls one method per hook point:
+
+========================  ==========================================  ========================
+engine event              call                                        detectors
+========================  ==========================================  ========================
+start-up                  ``report_pool(pool, context, page_size)``   pool vs context
+pages leave free list     ``on_alloc(pages)``                         free canary, page tags
+pages return to it        ``on_free(pages)``                          free canary, double free
+decode reserves pages     ``ticket = on_reserve(rid, pages)``         reserved canary, tags
+prefill sent the KV       ``seal = seal(rid, pages)``                 checksum
+prefill wrote decode's    ``dest_pool.mark_written(pages, tags)``     page tags (writer side)
+decode admits             ``verify_admit(ticket, seal)``              all of the above
+decode step               ``check_step(ticket)``                      page tags (no sync)
+admission queue           ``on_admission(rid, queue, aborted, fin)``  admission invariant
+engine sync point         ``resolve()``                               deferred device checks
+========================  ==========================================  ========================
+
+Every method returns at once, never raises (a failure inside is counted under
+``hook_errors{hook}`` and the detector's skip reason ``hook_error``), and on an accelerator never
+synchronises except in ``seal`` and ``verify_admit``, which run where engines already do.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+
+from engine_hooks.canary import Purpose
+from engine_hooks.detectors import (
+    Admission,
+    Canary,
+    Finding,
+    Mode,
+    PageTags,
+    PoolReport,
+    Seal,
+    Stats,
+    TransferChecksum,
+    Verdict,
+)
+from engine_hooks.pool import PageIds, PagedKVPool
+from engine_hooks.spool import SpoolWriter
+from kvspool import schema
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+DETECTOR_NAMES = ("canary", "checksum", "page_tag", "admission")
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A request's claim on decode pages: the page ids and their generations when reserved."""
+
+    request_id: str
+    pages: torch.Tensor
+    tags: torch.Tensor
+
+    @property
+    def page_count(self) -> int:
+        return self.pages.numel()
+
+
+def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
+    if isinstance(mode, Mapping):
+        default = Mode(mode.get("default", Mode.LOG))
+        return {name: Mode(mode.get(name, default)) for name in DETECTOR_NAMES}
+    return {name: Mode(mode) for name in DETECTOR_NAMES}
+
+
+def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Time a hook into ``hook_seconds{hook}`` and turn any exception into a counted no-op."""
+
+    def wrap(method: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(method)
+        def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+            watch = args[0]
+            assert isinstance(watch, KVWatch)
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            except Exception:
+                watch.stats.add("hook_errors", (name,))
+                for detector in watch.detectors_of(name):
+                    watch.stats.skipped(detector, "hook_error")
+                result: R = fallback()
+                return result
+            finally:
+                watch.stats.add("hook_seconds", (name,), time.perf_counter() - started)
+
+        return guarded
+
+    return wrap
+
+
+_HOOK_DETECTORS = {
+    "alloc": ("canary", "page_tag"),
+    "free": ("page_tag",),
+    "reserve": ("canary", "page_tag"),
+    "seal": ("checksum",),
+    "verify": ("canary", "checksum", "page_tag"),
+    "step": ("page_tag",),
+    "resolve": (),
+    "admission": ("admission",),
+    "startup": (),
+}
+
+
+class KVWatch:
+    """kvwatch's hooks for one engine process (one role, one rank, one pool)."""
+
+    def __init__(
+        self,
+        pool: PagedKVPool | None,
+        *,
+        role: str,
+        engine: str,
+        engine_version: str = "",
+        model: str = "",
+        rank: int = 0,
+        mode: Mode | str | Mapping[str, Mode | str] = Mode.LOG,
+        spool: SpoolWriter | str | Path | None = None,
+        flush_interval: float = 1.0,
+    ) -> None:
+        self.pool = pool
+        self.role = role
+        self.modes = _modes(mode)
+        self.stats = Stats()
+        if isinstance(spool, str | Path):
+            spool = SpoolWriter(
+                spool, engine=engine, role=role, model=model, engine_version=engine_version, rank=rank
+            )
+        self.spool = spool
+        self.admission = Admission(self.stats, self.modes["admission"])
+        self.tags = PageTags(pool, self.stats, self.modes["page_tag"]) if pool else None
+        self.canary = Canary(pool, self.stats, self.modes["canary"]) if pool else None
+        self.checksum = TransferChecksum(pool, self.stats, self.modes["checksum"]) if pool else None
+        self.pool_report: PoolReport | None = None
+        self._pending: list[Finding] = []
+        self._on_device = pool is not None and not pool.is_cpu
+        self._lock = threading.Lock()  # guards the spool snapshot against the flush thread
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.spool is not None:
+            self.flush()
+            self._thread = threading.Thread(
+                target=self._flush_loop, args=(flush_interval,), name="kvwatch-flush", daemon=True
+            )
+            self._thread.start()
+            ref = weakref.ref(self)
+            atexit.register(lambda: (w := ref()) is not None and w.close())
+
+    # -- hook points --------------------------------------------------------------------------
+
+    def detectors_of(self, hook: str) -> tuple[str, ...]:
+        return _HOOK_DETECTORS.get(hook, ())
+
+    @_hook("startup", lambda: None)
+    def report_pool(self, pool_tokens: int, context_length: int, page_size: int) -> PoolReport:
+        """Pool versus context, at engine start: the gauges and the unsafe band."""
+        self.pool_report = PoolReport(int(pool_tokens), int(context_length), int(page_size))
+        self._write_gauges()
+        return self.pool_report
+
+    @_hook("alloc", list)
+    def on_alloc(self, pages: PageIds, request_id: str = "") -> list[Verdict]:
+        """Pages leave the free list: check free canaries, bump generations."""
+        if self.pool is None or self.tags is None or self.canary is None:
+            return []
+        index = self.pool.as_index(pages)
+        findings: list[Finding] = []
+        if self.canary.usable and self.canary.active():
+            findings.append(self.canary.check_free(request_id, index, self.tags.snapshot(index)))
+            self.stats.verified("canary")
+        self.canary.free_stamped[index] = False
+        self.tags.bump(index)
+        return self._settle(findings)
+
+    @_hook("free", list)
+    def on_free(self, pages: PageIds) -> list[Verdict]:
+        """Pages return to the free list: catch a double free, stamp free canaries."""
+        if self.pool is None or self.tags is None or self.canary is None:
+            return []
+        index = self.pool.as_index(pages)
+        findings: list[Finding] = []
+        if self.tags.active():
+            # A page freed while it already carries a free stamp was freed twice.
+            twice = self.canary.free_stamped.index_select(0, index)
+            findings.append(Finding("page_tag", "double_free", "", index, twice, self.tags.mode))
+        if self.canary.usable and self.canary.mode is not Mode.OFF:
+            self.canary.stamp(index, self.tags.snapshot(index), Purpose.FREE)
+        self.canary.free_stamped[index] = True
+        return self._settle(findings)
+
+    @_hook("reserve", lambda: None)
+    def on_reserve(self, request_id: str, pages: PageIds) -> Ticket | None:
+        """Decode reserved destination pages for a request: stamp them, remember generations."""
+        if self.pool is None or self.tags is None or self.canary is None:
+            return None
+        index = self.pool.as_index(pages)
+        tags = self.tags.snapshot(index)
+        if self.canary.usable and self.canary.mode is not Mode.OFF:
+            self.canary.stamp(index, tags, Purpose.RESERVED)
+        return Ticket(request_id, index, tags)
+
+    @_hook("reserve", lambda: None)
+    def extend(self, ticket: Ticket, pages: PageIds) -> None:
+        """Pages allocated later to the same request that the engine writes itself (decode's
+        own tokens): they join the ticket, tagged as written by their owner."""
+        if self.pool is None or self.tags is None:
+            return
+        index = self.pool.as_index(pages)
+        self.tags.own_writes(index)
+        ticket.pages = torch.cat([ticket.pages, index])
+        ticket.tags = torch.cat([ticket.tags, self.tags.snapshot(index)])
+
+    @_hook("seal", lambda: None)
+    def seal(self, request_id: str, pages: PageIds) -> Seal | None:
+        """The writer's seal over the pages it sent (prefill, after the KV is computed)."""
+        if self.checksum is None:
+            return None
+        if not self.checksum.active():
+            return None
+        return self.checksum.seal(pages)
+
+    @_hook("verify", list)
+    def verify_admit(self, ticket: Ticket | None, seal: Seal | None) -> list[Verdict]:
+        """Before decode admits a request and reads its KV: every detector, in one go."""
+        if ticket is None or self.pool is None or self.canary is None or self.tags is None:
+            for name in ("canary", "checksum", "page_tag"):
+                self.stats.skipped(name, "no_pool")
+            return []
+        rid = ticket.request_id
+        verdicts: list[Verdict] = []
+        findings: list[Finding] = []
+        if not self.canary.usable:
+            self.stats.skipped("canary", "unsupported_layout")
+        elif self.canary.active():
+            findings.append(self.canary.check_reserved(rid, ticket.pages, ticket.tags))
+            self.stats.verified("canary")
+        if self.tags.active():
+            findings.append(self.tags.compare(rid, ticket.pages, ticket.tags))
+            self.stats.verified("page_tag")
+        for finding in findings:
+            verdicts.append(self._verdict(finding.resolve()))
+        assert self.checksum is not None
+        if self.checksum.active():
+            if seal is None:
+                self.stats.skipped("checksum", "no_seal")
+            else:
+                verdicts.append(self._verdict(self.checksum.verify(rid, ticket.pages, seal)))
+                self.stats.verified("checksum")
+        return [v for v in verdicts if not v.ok]
+
+    @_hook("step", list)
+    def check_step(self, ticket: Ticket) -> list[Verdict]:
+        """Per decode step: the request's page generations are still the ones it holds."""
+        if self.tags is None or not self.tags.active():
+            return []
+        self.stats.verified("page_tag")
+        return self._settle([self.tags.compare(ticket.request_id, ticket.pages, ticket.tags)])
+
+    @_hook("admission", lambda: Verdict("admission", ""))
+    def on_admission(self, request_id: str, queue: str, *, aborted: bool, finished: bool) -> Verdict:
+        """An admission queue is about to admit a request; ``aborted`` is ``to_finish`` set."""
+        if not self.admission.active():
+            return self.admission.clean(request_id)
+        self.stats.verified("admission")
+        return self._verdict(self.admission.check(request_id, queue, aborted, finished))
+
+    @_hook("resolve", list)
+    def resolve(self) -> list[Verdict]:
+        """Read the deferred device checks; call where the engine already synchronises."""
+        pending, self._pending = self._pending, []
+        verdicts = [self._verdict(f.resolve()) for f in pending]
+        return [v for v in verdicts if not v.ok]
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def _settle(self, findings: list[Finding]) -> list[Verdict]:
+        if self._on_device:
+            self._pending.extend(findings)
+            return []
+        verdicts = [self._verdict(f.resolve()) for f in findings]
+        return [v for v in verdicts if not v.ok]
+
+    def _verdict(self, verdict: Verdict) -> Verdict:
+        if verdict.ok:
+            return verdict
+        if verdict.detector != "checksum" and verdict.detector != "admission":
+            # Finding-based verdicts are counted here; the others counted themselves.
+            self.stats.mismatch(verdict.detector, verdict.kind or "other")
+        if self.spool is not None:
+            pages = list(verdict.pages[: schema.MAX_EVENT_PAGES])
+            self.spool.write(
+                schema.EVENT,
+                {
+                    "detector": verdict.detector,
+                    "kind": verdict.kind or "other",
+                    "mode": str(verdict.mode),
+                    "action": "enforced" if verdict.blocks else "logged",
+                    "request_id": verdict.request_id[:128],
+                    "pages": pages,
+                    "pages_total": len(verdict.pages),
+                    "detail": verdict.detail,
+                },
+            )
+        return verdict
+
+    def counter_series(self) -> list[list[Any]]:
+        series: list[list[Any]] = []
+        for (name, values), amount in list(self.stats.values.items()):
+            labels = dict(zip(schema.COUNTER_LABELS[name], values, strict=True))
+            series.append([name, labels, amount])
+        if self.spool is not None:
+            for reason, amount in self.spool.dropped.items():
+                series.append(["spool_dropped", {"reason": reason}, amount])
+        return series
+
+    def _write_gauges(self) -> None:
+        report = self.pool_report
+        if self.spool is None or report is None:
+            return
+        self.spool.write(
+            schema.GAUGES,
+            {
+                "gauges": [
+                    ["kv_pool_tokens", {}, report.pool_tokens],
+                    ["context_length_tokens", {}, report.context_length_tokens],
+                    ["page_size_tokens", {}, report.page_size_tokens],
+                ]
+            },
+        )
+
+    def flush(self) -> None:
+        """Write a cumulative snapshot of every counter (and the gauges) to the spool."""
+        if self.spool is None:
+            return
+        with self._lock:
+            self.spool.write(schema.COUNTERS, {"counters": self.counter_series()})
+            self._write_gauges()
+
+    def _flush_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.flush()
+
+    def close(self) -> None:
+        """Final snapshot, stop the flush thread, close the spool. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        self.flush()
+        if self.spool is not None:
+            self.spool.close()
+
