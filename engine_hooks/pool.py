@@ -77,9 +77,7 @@ class PagedKVPool:
         if tag_store.shape != (self.num_pages,) or tag_store.dtype != torch.int64:
             raise ValueError("tag_store must be an int64 tensor with one entry per page")
         self.tag_store = tag_store
-        self._buffers_mv = (
-            [tensor_buffer(p) for p in pages] if self.device.type == "cpu" else []
-        )
+        self._buffers_mv = [tensor_buffer(p) for p in pages] if self.device.type == "cpu" else []
 
     @property
     def is_cpu(self) -> bool:

@@ -10,6 +10,7 @@ record naming its successor.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -175,8 +176,6 @@ class SpoolWriter:
 
     def _close_fd(self) -> None:
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fd)  # also releases the flock
-            except OSError:
-                pass
             self._fd = None

@@ -50,7 +50,9 @@ def make_pool() -> PagedKVPool:
     return PagedKVPool(buffers, PAGE_SIZE)
 
 
-def write_pages(src: PagedKVPool, src_pages: Sequence[int], dst: PagedKVPool, dst_pages: Sequence[int]) -> None:
+def write_pages(
+    src: PagedKVPool, src_pages: Sequence[int], dst: PagedKVPool, dst_pages: Sequence[int]
+) -> None:
     """Prefill's one-sided write of whole pages into decode's pool."""
     for s, d in zip(src_pages, dst_pages, strict=True):
         for s_view, d_view in zip(src.page(s), dst.page(d), strict=True):
@@ -68,7 +70,10 @@ def compute_kv(pool: PagedKVPool, pages: Sequence[int], seed: int) -> None:
 def report(verdicts: Sequence[Verdict]) -> None:
     for v in verdicts:
         action = "request FAILED (enforce)" if v.blocks else "logged, request served"
-        print(f"    caught: detector={v.detector:<9} kind={v.kind:<19} request={v.request_id or '-'} pages={list(v.pages)}  [{action}]")
+        print(
+            f"    caught: detector={v.detector:<9} kind={v.kind:<19} "
+            f"request={v.request_id or '-'} pages={list(v.pages)}  [{action}]"
+        )
 
 
 def heading(text: str) -> None:
@@ -83,11 +88,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     spool = args.spool or tempfile.mkdtemp(prefix="kvwatch-walkthrough-")
 
     decode_pool, prefill_pool = make_pool(), make_pool()
-    decode = KVWatch(decode_pool, role="decode", engine="minipd", model="walkthrough", mode=args.mode, spool=spool)
-    prefill = KVWatch(prefill_pool, role="prefill", engine="minipd", model="walkthrough", mode=args.mode, spool=spool)
+    decode = KVWatch(
+        decode_pool,
+        role="decode",
+        engine="minipd",
+        model="walkthrough",
+        mode=args.mode,
+        spool=spool,
+    )
+    prefill = KVWatch(
+        prefill_pool,
+        role="prefill",
+        engine="minipd",
+        model="walkthrough",
+        mode=args.mode,
+        spool=spool,
+    )
     d_alloc, p_alloc = Allocator(decode, PAGES), Allocator(prefill, PAGES)
 
-    def transfer(rid: str, prompt_pages: int, written_pages: int, seed: int) -> tuple[list[int], Ticket]:
+    def transfer(
+        rid: str, prompt_pages: int, written_pages: int, seed: int
+    ) -> tuple[list[int], Ticket]:
         """The essay's three steps: decode reserves, prefill writes and seals, decode admits."""
         dst = d_alloc.alloc(prompt_pages, rid)
         ticket = decode.on_reserve(rid, dst)
@@ -108,8 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     heading("Pool versus context at start-up (the Workers AI numbers)")
     band = decode.report_pool(681_280, 1_048_576, PAGE_SIZE)
     assert band is not None
-    print(f"    pool={band.pool_tokens:,} context={band.context_length_tokens:,} "
-          f"unsafe band={band.unsafe_band_tokens:,} tokens ({band.unsafe_share:.0%} of the window)")
+    print(
+        f"    pool={band.pool_tokens:,} context={band.context_length_tokens:,} "
+        f"unsafe band={band.unsafe_band_tokens:,} tokens ({band.unsafe_share:.0%} of the window)"
+    )
 
     heading("Two users write their prompts and finish; their pages go back unzeroed")
     for user, seed in (("user-a", 1), ("user-b", 2)):
@@ -120,7 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report([decode.on_admission("rejected-1", "decode_prealloc", aborted=True, finished=False)])
     heading("... decode reserves 8 pages, prefill writes 1 (the placeholder), decode admits")
     pages, _ = transfer("rejected-1", 8, 1, 3)
-    print("    without kvwatch, attention would now read the 7 pages prefill never wrote: users A and B's keys and values")
+    print(
+        "    without kvwatch, attention would now read the 7 pages prefill never wrote:"
+        " users A and B's keys and values"
+    )
     d_alloc.release(pages)
 
     heading("A late RDMA write lands in a page after its request was aborted and the page freed")
@@ -160,10 +186,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode.close()
     prefill.close()
     contents = read_spool(spool)
-    heading(f"What the hooks wrote to the spool ({len(contents.records)} records, {sum(contents.errors.values())} unreadable)")
+    heading(
+        f"What the hooks wrote to the spool ({len(contents.records)} records, "
+        f"{sum(contents.errors.values())} unreadable)"
+    )
     for event in contents.events():
-        print(f"    event  {event['detector']:<9} {event['kind']:<19} request={event['request_id'] or '-':<11} "
-              f"pages={event['pages']} action={event['action']}")
+        print(
+            f"    event  {event['detector']:<9} {event['kind']:<19} "
+            f"request={event['request_id'] or '-':<11} "
+            f"pages={event['pages']} action={event['action']}"
+        )
     counters = contents.latest_counters()
     for name in ("verifications", "mismatches"):
         for labels, value in sorted(counters.get(name, {}).items()):

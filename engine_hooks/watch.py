@@ -49,7 +49,7 @@ from engine_hooks.detectors import (
     TransferChecksum,
     Verdict,
 )
-from engine_hooks.pool import PageIds, PagedKVPool
+from engine_hooks.pool import PagedKVPool, PageIds
 from engine_hooks.spool import SpoolWriter
 from kvspool import schema
 
@@ -139,7 +139,12 @@ class KVWatch:
         self.stats = Stats()
         if isinstance(spool, str | Path):
             spool = SpoolWriter(
-                spool, engine=engine, role=role, model=model, engine_version=engine_version, rank=rank
+                spool,
+                engine=engine,
+                role=role,
+                model=model,
+                engine_version=engine_version,
+                rank=rank,
             )
         self.spool = spool
         self.admission = Admission(self.stats, self.modes["admission"])
@@ -159,7 +164,7 @@ class KVWatch:
             )
             self._thread.start()
             ref = weakref.ref(self)
-            atexit.register(lambda: (w := ref()) is not None and w.close())
+            atexit.register(_close_ref, ref)
 
     # -- hook points --------------------------------------------------------------------------
 
@@ -272,7 +277,9 @@ class KVWatch:
         return self._settle([self.tags.compare(ticket.request_id, ticket.pages, ticket.tags)])
 
     @_hook("admission", lambda: Verdict("admission", ""))
-    def on_admission(self, request_id: str, queue: str, *, aborted: bool, finished: bool) -> Verdict:
+    def on_admission(
+        self, request_id: str, queue: str, *, aborted: bool, finished: bool
+    ) -> Verdict:
         """An admission queue is about to admit a request; ``aborted`` is ``to_finish`` set."""
         if not self.admission.active():
             return self.admission.clean(request_id)
@@ -298,9 +305,7 @@ class KVWatch:
     def _verdict(self, verdict: Verdict) -> Verdict:
         if verdict.ok:
             return verdict
-        if verdict.detector != "checksum" and verdict.detector != "admission":
-            # Finding-based verdicts are counted here; the others counted themselves.
-            self.stats.mismatch(verdict.detector, verdict.kind or "other")
+        self.stats.mismatch(verdict.detector, verdict.kind or "other")
         if self.spool is not None:
             pages = list(verdict.pages[: schema.MAX_EVENT_PAGES])
             self.spool.write(
@@ -366,3 +371,8 @@ class KVWatch:
         if self.spool is not None:
             self.spool.close()
 
+
+def _close_ref(ref: weakref.ref[KVWatch]) -> None:
+    watch = ref()
+    if watch is not None:
+        watch.close()

@@ -5,7 +5,6 @@ other's dependencies: the hooks run inside an engine with torch, the daemon runs
 """
 
 from kvspool.framing import HEADER_BYTES, MAGIC, SEGMENT_SUFFIX, Frame, encode_frame, iter_frames
-from kvspool.segments import SpoolContents, read_segment, read_spool
 from kvspool.schema import (
     MAX_EVENT_PAGES,
     MAX_RECORD_BYTES,
@@ -15,6 +14,7 @@ from kvspool.schema import (
     encode_payload,
     validate,
 )
+from kvspool.segments import SpoolContents, read_segment, read_spool
 
 __all__ = [
     "HEADER_BYTES",

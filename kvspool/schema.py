@@ -108,7 +108,7 @@ def encode_payload(record: dict[str, Any]) -> bytes:
 
 def _require(record: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     value = record.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise SchemaError("malformed", f"field {key!r} missing or not {kind}")
     return value
 
