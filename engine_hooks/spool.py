@@ -69,6 +69,7 @@ class SpoolWriter:
         self._size = 0
         self._retry_at = 0.0
         self._retry_full = False
+        self._next_check = 0.0
         self._closed = False
 
     # -- public -------------------------------------------------------------------------------
@@ -113,14 +114,22 @@ class SpoolWriter:
             self._seq += 1
             self.dropped["closed"] += 1
             return False
+        if self._fd is not None and time.monotonic() >= self._next_check:
+            self._check_segment_still_there()
+        if self._fd is None and not self._open_segment():
+            self._seq += 1  # the lost record leaves a gap the daemon counts
+            return False
         frame = self._frame(record_type, fields)
         if len(frame) - kvspool.HEADER_BYTES > schema.MAX_RECORD_BYTES:
             self.dropped["oversize"] += 1
             return False
-        if self._fd is not None and self._size + len(frame) > self.segment_bytes:
+        if self._size + len(frame) > self.segment_bytes:
+            self._seq -= 1  # re-framed below, after the seal and the next segment's hello
             self._rotate()
-        if self._fd is None and not self._open_segment():
-            return False
+            if not self._open_segment():
+                self._seq += 1
+                return False
+            frame = self._frame(record_type, fields)
         return self._append(frame)
 
     def _append(self, frame: bytes) -> bool:
@@ -137,6 +146,14 @@ class SpoolWriter:
             return False
         self.written += 1
         return True
+
+    def _check_segment_still_there(self) -> None:
+        """A segment unlinked under us (spool directory removed) would swallow every record."""
+        self._next_check = time.monotonic() + _RETRY_SECONDS
+        assert self._fd is not None
+        if os.fstat(self._fd).st_nlink == 0:
+            self._close_fd()
+            self._segment_index += 1
 
     def _rotate(self) -> None:
         next_name = self._segment_name(self._segment_index + 1)

@@ -1,0 +1,145 @@
+"""Throughput of kvwatch's per-page transfer checksum, as ratios against a read pass.
+
+One run measures, on the same bytes of a paged KV pool (>= 256 MiB, many layers):
+  - read pass: one single-threaded pass that reads every byte (the physical limit on one core),
+  - kvwatch: PagedKVPool.checksum over a page table (what seal and verify do),
+  - stdlib zlib.adler32 over each buffer whole,
+and prints each in GB/s and as a ratio to the read pass. Page tables: every page in order, runs
+of 8 consecutive pages (what a sorted free list hands out after churn) and a shuffled table
+(every page its own run, the worst case). With a CUDA device it also times the device path
+against a device-to-device copy of the same bytes.
+
+    python bench/checksum.py [--mib 256] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine_hooks import PagedKVPool, adler32
+from engine_hooks.checksum import tensor_buffer
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    buffers: int  # per-layer tensors (MHA: 2 per layer; MLA: 1)
+    token_bytes: int  # bytes of one token in one buffer
+    page_size: int
+
+
+MODELS = [
+    Model("llama-3-8b MHA bf16, page 16", 2 * 32, 8 * 128 * 2, 16),
+    Model("deepseek-v3 MLA bf16, page 64", 61, 576 * 2, 64),
+    Model("llama-3-70b TP8 MHA fp8, page 64", 2 * 80, 1 * 128 * 1, 64),
+]
+
+
+def best_seconds(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def build_pool(model: Model, mib: int, device: str) -> PagedKVPool:
+    page_bytes = model.token_bytes * model.page_size
+    pages = max(8, (mib << 20) // (page_bytes * model.buffers))
+    slots = pages * model.page_size
+    buffers = [
+        torch.randint(0, 255, (slots, model.token_bytes), dtype=torch.uint8, device=device)
+        for _ in range(model.buffers)
+    ]
+    return PagedKVPool(buffers, model.page_size, kv_dtype=torch.bfloat16)
+
+
+def page_tables(num_pages: int) -> dict[str, list[int]]:
+    rng = random.Random(0)
+    in_order = list(range(num_pages))
+    runs = [in_order[i : i + 8] for i in range(0, num_pages, 8)]
+    rng.shuffle(runs)
+    shuffled = in_order[:]
+    rng.shuffle(shuffled)
+    return {
+        "in order": in_order,
+        "runs of 8": [p for run in runs for p in run],
+        "shuffled": shuffled,
+    }
+
+
+def cpu_rows(model: Model, mib: int, repeat: int) -> None:
+    pool = build_pool(model, mib, "cpu")
+    nbytes = pool.page_bytes * pool.num_pages
+    torch.set_num_threads(1)
+    int64_views = [buf.view(torch.int64) for buf in pool.buffers]
+    read = best_seconds(lambda: [v.sum() for v in int64_views], repeat)
+    views = [tensor_buffer(buf) for buf in pool.buffers]
+    stdlib = best_seconds(lambda: [zlib.adler32(v) for v in views], max(1, repeat // 2))
+    whole = best_seconds(lambda: [adler32(buf) for buf in pool.buffers], repeat)
+
+    def row(label: str, seconds: float) -> None:
+        gbps = nbytes / seconds / 1e9
+        print(f"  {label:<34} {gbps:7.2f} GB/s  {read / seconds:5.2f}x read pass")
+
+    chunk_kib = pool.layer_page_bytes[0] / 1024
+    print(
+        f"{model.name}: {nbytes / 2**20:.0f} MiB, {pool.num_pages} pages x {len(pool.buffers)} "
+        f"buffers, {chunk_kib:g} KiB per page per buffer"
+    )
+    row("read pass (1 thread)", read)
+    for name, table in page_tables(pool.num_pages).items():
+        row(f"kvwatch per-page, {name}", best_seconds(lambda t=table: pool.checksum(t), repeat))
+    row("kvwatch adler32, whole buffers", whole)
+    row("stdlib zlib.adler32", stdlib)
+
+
+def cuda_rows(model: Model, mib: int, repeat: int) -> None:
+    pool = build_pool(model, mib, "cuda")
+    nbytes = pool.page_bytes * pool.num_pages
+    dst = [torch.empty_like(b) for b in pool.buffers]
+
+    def timed(fn: Callable[[], object]) -> float:
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize()
+
+        run()
+        return best_seconds(run, repeat)
+
+    copy = timed(lambda: [d.copy_(s) for d, s in zip(dst, pool.buffers, strict=True)])
+    print(f"{model.name} on {torch.cuda.get_device_name()}: {nbytes / 2**20:.0f} MiB")
+    print(f"  {'device-to-device copy':<34} {nbytes / copy / 1e9:7.1f} GB/s  1.00x copy")
+    for name, table in page_tables(pool.num_pages).items():
+        index = torch.tensor(table, device="cuda")
+        seconds = timed(lambda i=index: pool.checksum(i))
+        print(
+            f"  {'kvwatch device path, ' + name:<34} {nbytes / seconds / 1e9:7.1f} GB/s  "
+            f"{copy / seconds:5.2f}x copy"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    for model in MODELS:
+        cpu_rows(model, args.mib, args.repeat)
+    if torch.cuda.is_available():
+        for model in MODELS:
+            cuda_rows(model, args.mib, args.repeat)
+    else:
+        print("no CUDA device: the device path was not timed on a GPU")
+
+
+if __name__ == "__main__":
+    main()

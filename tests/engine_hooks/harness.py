@@ -1,0 +1,132 @@
+"""A prefill/decode pair in one process, driving engine_hooks as an engine would."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine_hooks import KVWatch, Mode, PagedKVPool, Seal, Ticket, Verdict
+from engine_hooks.pool import Layout
+
+PAGE_SIZE = 4
+
+
+def make_pool(kind: str, dtype: torch.dtype, pages: int, layers: int = 2) -> PagedKVPool:
+    """MHA (K and V per layer) or MLA (one latent buffer per layer) or vLLM-style page-major."""
+    storage, kv_dtype = dtype, None
+    if dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
+        storage, kv_dtype = torch.uint8, dtype  # SGLang stores fp8 KV as uint8
+    slots = pages * PAGE_SIZE
+    if kind == "mha":
+        shape: tuple[int, ...] = (slots, 2, 8)
+        buffers = [torch.zeros(shape, dtype=storage) for _ in range(2 * layers)]
+        return PagedKVPool(buffers, PAGE_SIZE, kv_dtype=kv_dtype)
+    if kind == "mla":
+        buffers = [torch.zeros((slots, 1, 24), dtype=storage) for _ in range(layers)]
+        return PagedKVPool(buffers, PAGE_SIZE, kv_dtype=kv_dtype)
+    if kind == "vllm":
+        buffers = [torch.zeros((pages, PAGE_SIZE, 2, 8), dtype=storage) for _ in range(2 * layers)]
+        return PagedKVPool(buffers, PAGE_SIZE, layout=Layout.PAGES, kv_dtype=kv_dtype)
+    raise ValueError(kind)
+
+
+def fill(pool: PagedKVPool, pages: Sequence[int], rng: random.Random) -> None:
+    """Write KV for these pages: finite values, as a model writes (never NaN)."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    storage = pool.buffers[0].dtype
+    for page in pages:
+        for view in pool.page(page):
+            if storage == torch.uint8:  # fp8 bit patterns other than 0x7F/0xFF (the NaNs)
+                low = torch.randint(0, 0x7F, (view.numel(),), generator=gen)
+                sign = torch.randint(0, 2, (view.numel(),), generator=gen) << 7
+                view.copy_((low | sign).to(torch.uint8))
+            else:
+                count = view.numel() // storage.itemsize
+                values = torch.randn(count, generator=gen).to(storage)
+                view.copy_(values.view(torch.uint8))
+
+
+@dataclass
+class Pair:
+    """Decode (reserves, verifies, reads) and prefill (computes, writes, seals)."""
+
+    decode: KVWatch
+    prefill: KVWatch
+    decode_free: list[int]
+    prefill_free: list[int]
+    rng: random.Random = field(default_factory=lambda: random.Random(7))
+
+    @classmethod
+    def build(
+        cls,
+        kind: str,
+        dtype: torch.dtype,
+        pages: int = 64,
+        mode: Mode | str | Mapping[str, Mode | str] = Mode.LOG,
+        spool: Path | None = None,
+    ) -> Pair:
+        d = KVWatch(
+            make_pool(kind, dtype, pages), role="decode", engine="minipd", mode=mode, spool=spool
+        )
+        p = KVWatch(
+            make_pool(kind, dtype, pages), role="prefill", engine="minipd", mode=mode, spool=spool
+        )
+        pair = cls(d, p, list(range(pages)), list(range(pages)))
+        d.on_free(pair.decode_free)
+        p.on_free(pair.prefill_free)
+        return pair
+
+    @property
+    def dpool(self) -> PagedKVPool:
+        assert self.decode.pool is not None
+        return self.decode.pool
+
+    @property
+    def ppool(self) -> PagedKVPool:
+        assert self.prefill.pool is not None
+        return self.prefill.pool
+
+    def alloc(self, side: str, count: int, rid: str) -> tuple[list[int], list[Verdict]]:
+        free = self.decode_free if side == "decode" else self.prefill_free
+        watch = self.decode if side == "decode" else self.prefill
+        self.rng.shuffle(free)
+        pages = free[:count]
+        del free[:count]
+        return pages, watch.on_alloc(pages, rid)
+
+    def free(self, side: str, pages: Sequence[int]) -> list[Verdict]:
+        (self.decode_free if side == "decode" else self.prefill_free).extend(pages)
+        watch = self.decode if side == "decode" else self.prefill
+        return watch.on_free(pages)
+
+    def reserve(self, rid: str, count: int) -> tuple[list[int], Ticket]:
+        pages, verdicts = self.alloc("decode", count, rid)
+        assert verdicts == []
+        ticket = self.decode.on_reserve(rid, pages)
+        assert ticket is not None
+        return pages, ticket
+
+    def prefill_write(
+        self, rid: str, dst: Sequence[int], ticket: Ticket, written: int | None = None
+    ) -> tuple[list[int], Seal | None]:
+        """Prefill computes ``written`` pages, writes them one-sided into decode, seals them."""
+        count = len(dst) if written is None else written
+        src, verdicts = self.alloc("prefill", count, rid)
+        assert verdicts == []
+        fill(self.ppool, src, self.rng)
+        for s, d in zip(src, dst[:count], strict=True):
+            for sv, dv in zip(self.ppool.page(s), self.dpool.page(d), strict=True):
+                dv.copy_(sv)
+        self.dpool.mark_written(dst[:count], ticket.tags[:count])
+        seal = self.prefill.seal(rid, src)
+        self.free("prefill", src)
+        return src, seal
+
+    def clean_request(self, rid: str, count: int) -> tuple[list[int], Ticket, list[Verdict]]:
+        dst, ticket = self.reserve(rid, count)
+        _, seal = self.prefill_write(rid, dst, ticket)
+        return dst, ticket, self.decode.verify_admit(ticket, seal)

@@ -1,0 +1,159 @@
+"""The spool writer: records round-trip; damage is detected; a full or broken spool never raises."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_hooks import SpoolWriter
+from engine_hooks.testing import read_segment, read_spool
+from kvspool import schema
+
+
+def writer(directory: Path, **kwargs: int) -> SpoolWriter:
+    return SpoolWriter(directory, engine="minipd", role="decode", model="m", **kwargs)
+
+
+def event(i: int) -> dict[str, object]:
+    return {
+        "detector": "canary",
+        "kind": "unwritten_page",
+        "mode": "log",
+        "action": "logged",
+        "request_id": f"req-{i}",
+        "pages": [i, i + 1],
+        "pages_total": 2,
+        "detail": {},
+    }
+
+
+def test_records_round_trip(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    for i in range(100):
+        assert w.write(schema.EVENT, event(i))
+    w.write(schema.COUNTERS, {"counters": [["verifications", {"detector": "canary"}, 5]]})
+    w.close()
+    contents = read_spool(tmp_path)
+    assert not contents.errors
+    assert contents.records[0]["type"] == "hello"
+    assert contents.records[0]["role"] == "decode"
+    assert [r["seq"] for r in contents.records] == list(range(1, 103))
+    assert {r["producer"] for r in contents.records} == {w.producer}
+    assert [e["request_id"] for e in contents.events()] == [f"req-{i}" for i in range(100)]
+
+
+def test_torn_last_record_is_detected(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    for i in range(10):
+        w.write(schema.EVENT, event(i))
+    w.close()
+    path = w.segment_path
+    os.truncate(path, path.stat().st_size - 5)
+    contents = read_segment(path)
+    assert contents.errors == {"torn": 1}
+    assert len(contents.events()) == 9
+
+
+def test_flipped_byte_is_detected_and_the_rest_kept(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    for i in range(10):
+        w.write(schema.EVENT, event(i))
+    w.close()
+    data = bytearray(w.segment_path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    w.segment_path.write_bytes(bytes(data))
+    contents = read_segment(w.segment_path)
+    assert sum(contents.errors.values()) == 1
+    assert len(contents.records) == 10  # 11 written, 1 damaged
+
+
+def test_full_spool_never_raises_and_shows_as_a_gap(tmp_path: Path) -> None:
+    w = writer(tmp_path, segment_bytes=4096, max_segments=2)
+    for i in range(200):
+        w.write(schema.EVENT, event(i))
+    assert w.dropped["spool_full"] > 0
+    seqs = sorted(r["seq"] for r in read_spool(tmp_path).records)
+    assert len(seqs) + sum(w.dropped.values()) == w.seq  # every seq is either read or counted
+    # Once the daemon removes the committed segments, writing resumes ...
+    for path in tmp_path.iterdir():
+        path.unlink()
+    time.sleep(1.1)
+    assert w.write(schema.EVENT, event(999))
+    resumed = sorted(r["seq"] for r in read_spool(tmp_path).records)
+    # ... and the first record after the loss is ahead of the last one kept: a gap.
+    assert resumed[0] > seqs[-1] + 1
+
+
+def test_removed_directory_never_raises(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    w = writer(spool)
+    assert w.write(schema.EVENT, event(1))
+    shutil.rmtree(spool)
+    (tmp_path / "spool").write_text("not a directory")  # the path is now a file
+    time.sleep(1.1)  # the writer checks its segment is still linked once a second
+    for i in range(5):
+        assert not w.write(schema.EVENT, event(i))
+    assert w.dropped["write_error"] >= 1
+    # The directory comes back: a fresh segment, and the lost records show as a gap.
+    (tmp_path / "spool").unlink()
+    spool.mkdir()
+    time.sleep(1.1)
+    assert w.write(schema.EVENT, event(9))
+    records = read_spool(spool).records
+    assert records[0]["type"] == "hello"
+    assert records[-1]["seq"] == w.seq
+
+
+def test_read_only_directory_never_raises(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        # root ignores directory permissions; a file in the directory's place fails for all.
+        spool = tmp_path / "blocked"
+        spool.write_text("")
+    else:
+        spool = tmp_path / "ro"
+        spool.mkdir(mode=0o500)
+    w = writer(spool)
+    assert not w.write(schema.EVENT, event(1))
+    assert w.dropped["write_error"] == 1
+
+
+def test_oversize_record_is_dropped_and_counted(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    huge = event(1) | {"detail": {f"k{i}": "x" * 200 for i in range(400)}}
+    assert not w.write(schema.EVENT, huge)
+    assert w.dropped["oversize"] == 1
+    assert w.write(schema.EVENT, event(2))
+
+
+def test_live_producer_holds_a_lock_on_its_segment(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    w.write(schema.EVENT, event(1))
+    fd = os.open(w.segment_path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        w.close()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the producer is gone: the lock is free
+    finally:
+        os.close(fd)
+
+
+def test_rotation_seals_a_segment_and_names_the_next(tmp_path: Path) -> None:
+    w = writer(tmp_path, segment_bytes=2048)
+    for i in range(40):
+        w.write(schema.EVENT, event(i))
+    w.close()
+    segments = sorted(tmp_path.glob("*.kvs"))
+    assert len(segments) > 2
+    first = read_segment(segments[0]).records
+    assert first[0]["type"] == "hello"
+    assert first[-1]["type"] == "seal"
+    assert first[-1]["next_segment"] == segments[1].name
+    assert read_segment(segments[1]).records[0]["type"] == "hello"
+    seqs = [r["seq"] for r in read_spool(tmp_path).records]
+    assert seqs == list(range(1, len(seqs) + 1))

@@ -1,0 +1,62 @@
+"""KVWatch reports to the spool: events for mismatches, cumulative counters, gauges; no KV bytes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from engine_hooks import KVWatch
+from engine_hooks.testing import read_spool
+from tests.engine_hooks.harness import Pair
+
+
+def test_events_counters_and_gauges_reach_the_spool(tmp_path: Path) -> None:
+    pair = Pair.build("mha", torch.bfloat16, spool=tmp_path)
+    pair.decode.report_pool(1000, 4000, 4)
+    dst, ticket = pair.reserve("leaky", 6)
+    _, seal = pair.prefill_write("leaky", dst, ticket, written=1)
+    pair.decode.verify_admit(ticket, seal)
+    pair.decode.close()
+    pair.prefill.close()
+    contents = read_spool(tmp_path)
+    assert not contents.errors
+    events = contents.events(request_id="leaky")
+    assert {e["detector"] for e in events} == {"canary", "checksum", "page_tag"}
+    for e in events:
+        assert e["pages"] == dst[1:] or sorted(e["pages"]) == sorted(dst[1:])
+        assert e["pages_total"] == 5
+        assert e["action"] == "logged"
+    counters = contents.latest_counters()
+    assert counters["mismatches"][(("detector", "canary"), ("kind", "unwritten_page"))] == 1
+    assert counters["verifications"][(("detector", "checksum"),)] == 1
+    assert any(name == "hook_seconds" for name in counters)
+    gauges = [r for r in contents.records if r["type"] == "gauges"]
+    assert gauges[-1]["gauges"][0] == ["kv_pool_tokens", {}, 1000]
+
+
+def test_no_kv_bytes_in_the_spool(tmp_path: Path) -> None:
+    pair = Pair.build("mla", torch.bfloat16, spool=tmp_path)
+    dst, ticket = pair.reserve("r", 3)
+    _, seal = pair.prefill_write("r", dst, ticket, written=1)
+    pair.decode.verify_admit(ticket, seal)
+    pair.decode.close()
+    pair.prefill.close()
+    raw = b"".join(p.read_bytes() for p in tmp_path.glob("*.kvs"))
+    assert pair.dpool.page_views[0][dst[0]][:32].numpy().tobytes() not in raw
+    for record in read_spool(tmp_path).records:
+        text = json.dumps(record)
+        assert "tensor" not in text
+
+
+def test_counters_are_flushed_periodically(tmp_path: Path) -> None:
+    watch = KVWatch(None, role="prefill", engine="sglang", spool=tmp_path, flush_interval=0.05)
+    watch.on_admission("r", "prefill_bootstrap", aborted=True, finished=False)
+    time.sleep(0.3)
+    snapshots = [r for r in read_spool(tmp_path).records if r["type"] == "counters"]
+    assert len(snapshots) >= 3
+    assert ["aborted_admissions", {"queue": "prefill_bootstrap"}, 1] in snapshots[-1]["counters"]
+    watch.close()
+    watch.close()  # idempotent

@@ -1,0 +1,92 @@
+"""The record schema: valid records pass; anything else is a SchemaError with a bounded reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvspool import SchemaError, decode_payload, encode_payload
+from kvspool.schema import MAX_EVENT_PAGES, bounded
+
+
+def base(**fields: Any) -> dict[str, Any]:
+    return {"v": 1, "producer": "p", "seq": 1, "ts": 1.0} | fields
+
+
+GOOD = [
+    base(
+        type="hello",
+        engine="sglang",
+        engine_version="0.5.23",
+        role="decode",
+        model="m",
+        rank=0,
+        pid=1,
+    ),
+    base(type="counters", counters=[["verifications", {"detector": "canary"}, 3]]),
+    base(type="gauges", gauges=[["kv_pool_tokens", {}, 681280]]),
+    base(
+        type="event",
+        detector="canary",
+        kind="unwritten_page",
+        mode="log",
+        action="logged",
+        request_id="r",
+        pages=[1, 2],
+        pages_total=2,
+        detail={"x": 1},
+    ),
+    base(type="seal", next_segment="p.000001.kvs"),
+]
+
+
+@pytest.mark.parametrize("record", GOOD, ids=lambda r: r["type"])
+def test_valid_records_round_trip(record: dict[str, Any]) -> None:
+    assert decode_payload(encode_payload(record)) == record
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"not json", "malformed"),
+        (b"[1,2]", "malformed"),
+        (encode_payload(base(type="hello") | {"v": 99}), "schema"),
+        (encode_payload(base(type="nope")), "schema"),
+        (encode_payload(base(type="counters", counters=[["unknown", {}, 1]])), "malformed"),
+        (encode_payload(base(type="counters", counters=[["verifications", {}, 1]])), "malformed"),
+        (
+            encode_payload(
+                base(type="counters", counters=[["verifications", {"detector": "c"}, -1]])
+            ),
+            "malformed",
+        ),
+        (
+            encode_payload(
+                base(
+                    type="event",
+                    detector="c",
+                    kind="k",
+                    mode="log",
+                    action="logged",
+                    request_id="r",
+                    pages=list(range(MAX_EVENT_PAGES + 1)),
+                    pages_total=1,
+                )
+            ),
+            "malformed",
+        ),
+        (encode_payload(base(type="seal", next_segment="x", seq=0)), "malformed"),
+        (encode_payload(base(type="seal", next_segment="x", seq=True)), "malformed"),
+    ],
+)
+def test_invalid_records_are_rejected_with_a_reason(payload: bytes, reason: str) -> None:
+    with pytest.raises(SchemaError) as info:
+        decode_payload(payload)
+    assert info.value.reason == reason
+
+
+def test_unknown_label_values_become_other() -> None:
+    assert bounded("detector", "canary") == "canary"
+    assert bounded("detector", "x" * 1000) == "other"
+    assert bounded("role", "decode") == "decode"
