@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,20 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m engine_hooks.walkthrough
 
+# Prometheus, Alertmanager (promtool, amtool) from Debian's packages: installed when missing and
+# running as root; otherwise a loud failure, never a silent skip.
+tools:
+	@if command -v promtool >/dev/null && command -v amtool >/dev/null \
+	    && command -v prometheus-alertmanager >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	        --no-install-recommends prometheus prometheus-alertmanager; \
+	else \
+	    echo "make test needs promtool, amtool and prometheus-alertmanager:" >&2; \
+	    echo "  sudo apt-get install -y --no-install-recommends prometheus prometheus-alertmanager" >&2; \
+	    exit 1; \
+	fi
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -25,10 +39,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) tools
 	$(PY) -m pytest
 
-test: lint typecheck unit
+test: tools lint typecheck unit
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py

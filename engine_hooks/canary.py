@@ -8,6 +8,7 @@ page whose stamp is intact was not. Pages are transferred whole, so a write cove
 
 from __future__ import annotations
 
+import struct
 from enum import IntEnum
 
 import torch
@@ -75,3 +76,32 @@ def stamps(
     else:
         raise ValueError(f"no canary encoding for {kv_dtype}")
     return out.reshape(len(pages), STAMP_BYTES)
+
+
+# -- the same stamps computed with Python integers, for pools in host memory ------------------
+# (a handful of small tensor ops costs tens of microseconds per call on a CPU; these cost one)
+
+_MASK64 = (1 << 64) - 1
+
+
+def _payload_int(page: int, generation: int, purpose: int) -> int:
+    mixed = (page * 0x9E3779B1 + generation * 0x85EBCA77 + purpose * 0xC2B2AE3D) & _MASK64
+    if mixed >= 1 << 63:  # int64 wrap-around, as in the tensor version
+        mixed -= 1 << 64
+    mixed = mixed ^ (mixed >> 29)
+    mixed = (mixed * 0x94D049BB) & ((1 << 48) - 1)
+    return mixed ^ (mixed >> 17)
+
+
+def stamp_bytes(page: int, generation: int, purpose: Purpose, kv_dtype: torch.dtype) -> bytes:
+    """One page's stamp, equal to ``stamps(...)[0]`` for that page."""
+    p = _payload_int(page, generation, int(purpose))
+    size = 1 if kv_dtype == torch.uint8 else torch.empty((), dtype=kv_dtype).element_size()
+    if size == 1:
+        return bytes(0x7F | (((p >> i) & 1) << 7) for i in range(STAMP_BYTES))
+    if size == 2:
+        base = 0x7F80 | 0x40 if kv_dtype == torch.bfloat16 else 0x7C00 | 0x200
+        return struct.pack("<8H", *(base | ((p >> (6 * i)) & 0x3F) for i in range(8)))
+    if size == 4:
+        return struct.pack("<4I", *(0x7FC00000 | ((p >> (12 * i)) & 0xFFF) for i in range(4)))
+    raise ValueError(f"no canary encoding for {kv_dtype}")

@@ -49,10 +49,18 @@ def adler32(data: Bytes | torch.Tensor, value: int = 1) -> int:
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu":
             return adler32_torch(data, value)
-        if not data.is_contiguous():
-            data = data.contiguous()
-        return zlib_ng.adler32(tensor_buffer(data), value)
+        tensor = data if data.is_contiguous() else data.contiguous()
+        view = tensor_buffer(tensor)  # valid while `tensor` is referenced, to the end of this call
+        if len(view) == 0:
+            return _reduced(value)
+        return int(zlib_ng.adler32(view, value))
+    if len(data) == 0:
+        return _reduced(value)  # zlib-ng returns an out-of-range start value as is; zlib reduces
     return zlib_ng.adler32(data, value)
+
+
+def _reduced(value: int) -> int:
+    return (value & 0xFFFF) % BASE | (((value >> 16) & 0xFFFF) % BASE) << 16
 
 
 def adler32_combine(adler1: int, adler2: int, len2: int) -> int:
@@ -83,8 +91,9 @@ class AdlerState:
     """
 
     def __init__(self, device: torch.device, value: int = 1) -> None:
+        value = _reduced(value)
         self.a = torch.tensor(value & 0xFFFF, dtype=torch.int64, device=device)
-        self.b = torch.tensor((value >> 16) & 0xFFFF, dtype=torch.int64, device=device)
+        self.b = torch.tensor(value >> 16, dtype=torch.int64, device=device)
         self._weights: dict[int, torch.Tensor] = {}
 
     def _weight(self, n: int) -> torch.Tensor:

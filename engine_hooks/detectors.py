@@ -16,6 +16,7 @@ from enum import StrEnum
 import torch
 
 from engine_hooks import canary
+from engine_hooks.pagestate import Ints, Mask, PageState
 from engine_hooks.pool import PagedKVPool, PageIds
 
 
@@ -82,21 +83,51 @@ class Stats:
 
 @dataclass(slots=True)
 class Finding:
-    """A check whose result may still live on the device. ``bad`` masks the failing pages."""
+    """A check whose result may still live on the device: ``bad`` masks the failing pages.
+
+    ``owners`` splits ``pages`` into consecutive runs that belong to one request each, so one
+    vectorised check can cover a whole decode batch.
+    """
 
     detector: str
     kind: str
-    request_id: str
-    pages: torch.Tensor
-    bad: torch.Tensor
+    owners: list[tuple[str, int]]
+    pages: Ints
+    bad: Mask
     mode: Mode
 
-    def resolve(self) -> Verdict:
-        """Read the result (a host sync on an accelerator) and return the verdict."""
-        bad_pages = tuple(int(p) for p in self.pages[self.bad].tolist())
-        if not bad_pages:
-            return Verdict(self.detector, self.request_id, mode=self.mode)
-        return Verdict(self.detector, self.request_id, False, self.kind, bad_pages, self.mode)
+    @classmethod
+    def single(
+        cls, detector: str, kind: str, request_id: str, pages: Ints, bad: Mask, mode: Mode
+    ) -> Finding:
+        return cls(detector, kind, [(request_id, len(pages))], pages, bad, mode)
+
+    def clean(self) -> bool:
+        if isinstance(self.bad, torch.Tensor):
+            return not bool(self.bad.any())  # the host sync, where the caller allows one
+        return not any(self.bad)
+
+    def resolve(self) -> list[Verdict]:
+        """The mismatch verdicts, one per request with a failing page (empty when clean)."""
+        if self.clean():
+            return []
+        pages = self.pages.tolist() if isinstance(self.pages, torch.Tensor) else self.pages
+        bad = self.bad.tolist() if isinstance(self.bad, torch.Tensor) else self.bad
+        verdicts, start = [], 0
+        for request_id, count in self.owners:
+            failing = tuple(
+                p
+                for p, b in zip(
+                    pages[start : start + count], bad[start : start + count], strict=True
+                )
+                if b
+            )
+            start += count
+            if failing:
+                verdicts.append(
+                    Verdict(self.detector, request_id, False, self.kind, failing, self.mode)
+                )
+        return verdicts
 
 
 class Detector:
@@ -125,39 +156,29 @@ class Detector:
 class PageTags(Detector):
     """Page generations: bumped on every allocation, carried by every write, compared on read.
 
-    ``generation[page]`` (the reader's own) is bumped whenever the page is allocated; a request
-    snapshots the generations of its pages (its :class:`Ticket`). Whoever writes a page records
-    the generation it wrote for in ``written[page]`` (the pool's ``tag_store``, which an engine
-    may place where remote writers reach it, or fill from the transfer's completion message).
-    Before a read, every page must show the request's generation in both: a page nobody wrote
-    for this request, a late write from an earlier owner, and a page reallocated while still
-    referenced (stale page table, double free) all fail.
+    A page's generation (the reader's own) is bumped whenever the page is allocated; a request
+    snapshots the generations of its pages (its ``Ticket``). Whoever writes a page records the
+    generation it wrote for in the pool's ``tag_store``, which an engine may place where remote
+    writers reach it, or fill from the transfer's completion message. Before a read, every page
+    must show the request's generation in both: a page nobody wrote for this request, a late
+    write from an earlier owner, and a page reallocated while still referenced (stale page
+    table, double free) all fail.
     """
 
     name = "page_tag"
 
-    def __init__(self, pool: PagedKVPool, stats: Stats, mode: Mode) -> None:
+    def __init__(self, state: PageState, stats: Stats, mode: Mode) -> None:
         super().__init__(stats, mode)
-        self.pool = pool
-        self.generation = torch.zeros(pool.num_pages, dtype=torch.int64, device=pool.device)
-        self.written = pool.tag_store
-        self._one = torch.ones(1, dtype=torch.int64, device=pool.device)
+        self.state = state
 
-    def bump(self, index: torch.Tensor) -> None:
-        self.generation.index_add_(0, index, self._one.expand(index.numel()))
+    def compare(self, owners: list[tuple[str, int]], pages: Ints, expected: Ints) -> Finding:
+        bad = self.state.stale(pages, expected)
+        return Finding(self.name, "stale_tag", owners, pages, bad, self.mode)
 
-    def snapshot(self, index: torch.Tensor) -> torch.Tensor:
-        return self.generation.index_select(0, index)
-
-    def own_writes(self, index: torch.Tensor) -> None:
-        """The reader itself writes these pages (e.g. decode's own new tokens)."""
-        self.written[index] = self.generation.index_select(0, index)
-
-    def compare(self, request_id: str, index: torch.Tensor, expected: torch.Tensor) -> Finding:
-        bad = (self.generation.index_select(0, index) != expected) | (
-            self.written.index_select(0, index) != expected
-        )
-        return Finding(self.name, "stale_tag", request_id, index, bad, self.mode)
+    def freed(self, pages: Ints) -> Finding:
+        """Pages returning to the free list; one that is already free was freed twice."""
+        twice = self.state.set_free(pages, True)
+        return Finding.single(self.name, "double_free", "", pages, twice, self.mode)
 
 
 class Canary(Detector):
@@ -165,42 +186,28 @@ class Canary(Detector):
 
     name = "canary"
 
-    def __init__(self, pool: PagedKVPool, stats: Stats, mode: Mode) -> None:
+    def __init__(self, pool: PagedKVPool, state: PageState, stats: Stats, mode: Mode) -> None:
         super().__init__(stats, mode)
-        self.pool = pool
+        self.state = state
         self.usable = canary.supported(pool.kv_dtype) and pool.layer_page_bytes[0] >= (
             canary.STAMP_BYTES
         )
-        # The stamp area of every page: a strided view into the pool's first buffer.
-        self.stamp_area = pool.page_views[0][:, : canary.STAMP_BYTES]
-        # Pages that carry an intact free stamp as far as we know (set on free, cleared on alloc).
-        self.free_stamped = torch.zeros(pool.num_pages, dtype=torch.bool, device=pool.device)
 
-    def _stamps(
-        self, index: torch.Tensor, gens: torch.Tensor, purpose: canary.Purpose
-    ) -> torch.Tensor:
-        return canary.stamps(index, gens, purpose, self.pool.kv_dtype)
-
-    def stamp(self, index: torch.Tensor, gens: torch.Tensor, purpose: canary.Purpose) -> None:
-        self.stamp_area[index] = self._stamps(index, gens, purpose)
-
-    def intact(
-        self, index: torch.Tensor, gens: torch.Tensor, purpose: canary.Purpose
-    ) -> torch.Tensor:
-        """Per page, True where the stamp is still exactly as written."""
-        current = self.stamp_area.index_select(0, index)
-        return (current == self._stamps(index, gens, purpose)).all(dim=1)
-
-    def check_free(self, request_id: str, index: torch.Tensor, gens: torch.Tensor) -> Finding:
+    def check_free(self, request_id: str, pages: Ints, gens: Ints) -> Finding:
         """Pages leaving the free list: a free stamp that changed means a write into a free page."""
-        was_stamped = self.free_stamped.index_select(0, index)
-        bad = was_stamped & ~self.intact(index, gens, canary.Purpose.FREE)
-        return Finding(self.name, "write_to_free_page", request_id, index, bad, self.mode)
+        was_free = self.state.was_free(pages)
+        intact = self.state.intact(pages, gens, canary.Purpose.FREE)
+        if isinstance(was_free, torch.Tensor):
+            assert isinstance(intact, torch.Tensor)
+            bad: Mask = was_free & ~intact
+        else:
+            bad = [f and not i for f, i in zip(was_free, intact, strict=True)]
+        return Finding.single(self.name, "write_to_free_page", request_id, pages, bad, self.mode)
 
-    def check_reserved(self, request_id: str, index: torch.Tensor, gens: torch.Tensor) -> Finding:
+    def check_reserved(self, request_id: str, pages: Ints, gens: Ints) -> Finding:
         """Reserved pages at admit: an intact reserved stamp means nobody wrote the page."""
-        bad = self.intact(index, gens, canary.Purpose.RESERVED)
-        return Finding(self.name, "unwritten_page", request_id, index, bad, self.mode)
+        bad = self.state.intact(pages, gens, canary.Purpose.RESERVED)
+        return Finding.single(self.name, "unwritten_page", request_id, pages, bad, self.mode)
 
 
 class TransferChecksum(Detector):

@@ -29,12 +29,10 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
-
-import torch
 
 from engine_hooks.canary import Purpose
 from engine_hooks.detectors import (
@@ -49,6 +47,7 @@ from engine_hooks.detectors import (
     TransferChecksum,
     Verdict,
 )
+from engine_hooks.pagestate import Ints, page_state
 from engine_hooks.pool import PagedKVPool, PageIds
 from engine_hooks.spool import SpoolWriter
 from kvspool import schema
@@ -64,12 +63,12 @@ class Ticket:
     """A request's claim on decode pages: the page ids and their generations when reserved."""
 
     request_id: str
-    pages: torch.Tensor
-    tags: torch.Tensor
+    pages: Ints
+    tags: Ints
 
     @property
     def page_count(self) -> int:
-        return self.pages.numel()
+        return len(self.pages)
 
 
 def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
@@ -148,8 +147,13 @@ class KVWatch:
             )
         self.spool = spool
         self.admission = Admission(self.stats, self.modes["admission"])
-        self.tags = PageTags(pool, self.stats, self.modes["page_tag"]) if pool else None
-        self.canary = Canary(pool, self.stats, self.modes["canary"]) if pool else None
+        self.state = page_state(pool) if pool else None
+        self.tags = PageTags(self.state, self.stats, self.modes["page_tag"]) if self.state else None
+        self.canary = (
+            Canary(pool, self.state, self.stats, self.modes["canary"])
+            if pool and self.state
+            else None
+        )
         self.checksum = TransferChecksum(pool, self.stats, self.modes["checksum"]) if pool else None
         self.pool_report: PoolReport | None = None
         self._pending: list[Finding] = []
@@ -181,54 +185,51 @@ class KVWatch:
     @_hook("alloc", list)
     def on_alloc(self, pages: PageIds, request_id: str = "") -> list[Verdict]:
         """Pages leave the free list: check free canaries, bump generations."""
-        if self.pool is None or self.tags is None or self.canary is None:
+        if self.state is None or self.canary is None:
             return []
-        index = self.pool.as_index(pages)
+        index = self.state.index(pages)
         findings: list[Finding] = []
         if self.canary.usable and self.canary.active():
-            findings.append(self.canary.check_free(request_id, index, self.tags.snapshot(index)))
+            gens = self.state.generations(index)
+            findings.append(self.canary.check_free(request_id, index, gens))
             self.stats.verified("canary")
-        self.canary.free_stamped[index] = False
-        self.tags.bump(index)
+        self.state.set_free(index, False)
+        self.state.bump(index)
         return self._settle(findings)
 
     @_hook("free", list)
     def on_free(self, pages: PageIds) -> list[Verdict]:
         """Pages return to the free list: catch a double free, stamp free canaries."""
-        if self.pool is None or self.tags is None or self.canary is None:
+        if self.state is None or self.tags is None or self.canary is None:
             return []
-        index = self.pool.as_index(pages)
-        findings: list[Finding] = []
-        if self.tags.active():
-            # A page freed while it already carries a free stamp was freed twice.
-            twice = self.canary.free_stamped.index_select(0, index)
-            findings.append(Finding("page_tag", "double_free", "", index, twice, self.tags.mode))
+        index = self.state.index(pages)
+        double_free = self.tags.freed(index)
+        findings = [double_free] if self.tags.active() else []
         if self.canary.usable and self.canary.mode is not Mode.OFF:
-            self.canary.stamp(index, self.tags.snapshot(index), Purpose.FREE)
-        self.canary.free_stamped[index] = True
+            self.state.stamp(index, self.state.generations(index), Purpose.FREE)
         return self._settle(findings)
 
     @_hook("reserve", lambda: None)
     def on_reserve(self, request_id: str, pages: PageIds) -> Ticket | None:
         """Decode reserved destination pages for a request: stamp them, remember generations."""
-        if self.pool is None or self.tags is None or self.canary is None:
+        if self.state is None or self.canary is None:
             return None
-        index = self.pool.as_index(pages)
-        tags = self.tags.snapshot(index)
+        index = self.state.index(pages)
+        tags = self.state.generations(index)
         if self.canary.usable and self.canary.mode is not Mode.OFF:
-            self.canary.stamp(index, tags, Purpose.RESERVED)
+            self.state.stamp(index, tags, Purpose.RESERVED)
         return Ticket(request_id, index, tags)
 
     @_hook("reserve", lambda: None)
     def extend(self, ticket: Ticket, pages: PageIds) -> None:
         """Pages allocated later to the same request that the engine writes itself (decode's
         own tokens): they join the ticket, tagged as written by their owner."""
-        if self.pool is None or self.tags is None:
+        if self.state is None:
             return
-        index = self.pool.as_index(pages)
-        self.tags.own_writes(index)
-        ticket.pages = torch.cat([ticket.pages, index])
-        ticket.tags = torch.cat([ticket.tags, self.tags.snapshot(index)])
+        index = self.state.index(pages)
+        self.state.own_writes(index)
+        ticket.pages = self.state.concat([ticket.pages, index])
+        ticket.tags = self.state.concat([ticket.tags, self.state.generations(index)])
 
     @_hook("seal", lambda: None)
     def seal(self, request_id: str, pages: PageIds) -> Seal | None:
@@ -241,13 +242,14 @@ class KVWatch:
 
     @_hook("verify", list)
     def verify_admit(self, ticket: Ticket | None, seal: Seal | None) -> list[Verdict]:
-        """Before decode admits a request and reads its KV: every detector, in one go."""
-        if ticket is None or self.pool is None or self.canary is None or self.tags is None:
+        """Before decode admits a request and reads its KV: every detector, in one go.
+
+        Returns the mismatches (an empty list when the request is clean)."""
+        if ticket is None or self.canary is None or self.tags is None or self.checksum is None:
             for name in ("canary", "checksum", "page_tag"):
                 self.stats.skipped(name, "no_pool")
             return []
         rid = ticket.request_id
-        verdicts: list[Verdict] = []
         findings: list[Finding] = []
         if not self.canary.usable:
             self.stats.skipped("canary", "unsupported_layout")
@@ -255,26 +257,36 @@ class KVWatch:
             findings.append(self.canary.check_reserved(rid, ticket.pages, ticket.tags))
             self.stats.verified("canary")
         if self.tags.active():
-            findings.append(self.tags.compare(rid, ticket.pages, ticket.tags))
+            owners = [(rid, ticket.page_count)]
+            findings.append(self.tags.compare(owners, ticket.pages, ticket.tags))
             self.stats.verified("page_tag")
-        for finding in findings:
-            verdicts.append(self._verdict(finding.resolve()))
-        assert self.checksum is not None
+        verdicts = [self._report(v) for f in findings for v in f.resolve()]
         if self.checksum.active():
             if seal is None:
                 self.stats.skipped("checksum", "no_seal")
             else:
-                verdicts.append(self._verdict(self.checksum.verify(rid, ticket.pages, seal)))
+                verdict = self.checksum.verify(rid, ticket.pages, seal)
                 self.stats.verified("checksum")
-        return [v for v in verdicts if not v.ok]
+                if not verdict.ok:
+                    verdicts.append(self._report(verdict))
+        return verdicts
 
     @_hook("step", list)
     def check_step(self, ticket: Ticket) -> list[Verdict]:
-        """Per decode step: the request's page generations are still the ones it holds."""
-        if self.tags is None or not self.tags.active():
+        """Per decode step, one request: see :meth:`check_batch`."""
+        return self.check_batch([ticket])
+
+    @_hook("step", list)
+    def check_batch(self, tickets: Sequence[Ticket]) -> list[Verdict]:
+        """Per decode step, the whole running batch in one vectorised check: every page still
+        holds the generation its request was given (no host sync on an accelerator)."""
+        if self.state is None or self.tags is None or not tickets or not self.tags.active():
             return []
-        self.stats.verified("page_tag")
-        return self._settle([self.tags.compare(ticket.request_id, ticket.pages, ticket.tags)])
+        self.stats.verified("page_tag", len(tickets))
+        owners = [(t.request_id, t.page_count) for t in tickets]
+        pages = self.state.concat([t.pages for t in tickets])
+        expected = self.state.concat([t.tags for t in tickets])
+        return self._settle([self.tags.compare(owners, pages, expected)])
 
     @_hook("admission", lambda: Verdict("admission", ""))
     def on_admission(
@@ -284,30 +296,28 @@ class KVWatch:
         if not self.admission.active():
             return self.admission.clean(request_id)
         self.stats.verified("admission")
-        return self._verdict(self.admission.check(request_id, queue, aborted, finished))
+        verdict = self.admission.check(request_id, queue, aborted, finished)
+        return verdict if verdict.ok else self._report(verdict)
 
     @_hook("resolve", list)
     def resolve(self) -> list[Verdict]:
         """Read the deferred device checks; call where the engine already synchronises."""
         pending, self._pending = self._pending, []
-        verdicts = [self._verdict(f.resolve()) for f in pending]
-        return [v for v in verdicts if not v.ok]
+        return [self._report(v) for f in pending for v in f.resolve()]
 
     # -- reporting ----------------------------------------------------------------------------
 
     def _settle(self, findings: list[Finding]) -> list[Verdict]:
+        """Verdicts now on the host; on an accelerator, later through :meth:`resolve`."""
         if self._on_device:
             self._pending.extend(findings)
             return []
-        verdicts = [self._verdict(f.resolve()) for f in findings]
-        return [v for v in verdicts if not v.ok]
+        return [self._report(v) for f in findings for v in f.resolve()]
 
-    def _verdict(self, verdict: Verdict) -> Verdict:
-        if verdict.ok:
-            return verdict
+    def _report(self, verdict: Verdict) -> Verdict:
+        """Count a mismatch and write its event record."""
         self.stats.mismatch(verdict.detector, verdict.kind or "other")
         if self.spool is not None:
-            pages = list(verdict.pages[: schema.MAX_EVENT_PAGES])
             self.spool.write(
                 schema.EVENT,
                 {
@@ -316,7 +326,7 @@ class KVWatch:
                     "mode": str(verdict.mode),
                     "action": "enforced" if verdict.blocks else "logged",
                     "request_id": verdict.request_id[:128],
-                    "pages": pages,
+                    "pages": list(verdict.pages[: schema.MAX_EVENT_PAGES]),
                     "pages_total": len(verdict.pages),
                     "detail": verdict.detail,
                 },

@@ -105,6 +105,13 @@ def test_combine_with_large_lengths_and_all_ff() -> None:
     assert combined == zlib.adler32(left + right)
 
 
+@pytest.mark.parametrize("value", [65521, 65535, 0xFFFFFFFF, 0xFFF1FFF1, 65521 << 16])
+def test_out_of_range_start_values_on_empty_data(value: int) -> None:
+    assert adler32(b"", value) == zlib.adler32(b"", value)
+    assert adler32(torch.empty(0, dtype=torch.uint8), value) == zlib.adler32(b"", value)
+    assert adler32_torch(torch.empty(0, dtype=torch.uint8), value) == zlib.adler32(b"", value)
+
+
 def test_combine_rejects_negative_length() -> None:
     with pytest.raises(ValueError):
         adler32_combine(1, 1, -1)

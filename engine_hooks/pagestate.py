@@ -1,0 +1,167 @@
+"""Per-page state behind the canary and page-tag detectors, in two backends.
+
+``DevicePages`` keeps everything in tensors on the pool's device: every operation is a few
+kernels and nothing waits for the device; results come back as bool tensors that the engine
+reads at its own sync points. ``HostPages`` does the same for a pool in host memory with Python
+integers over zero-copy views of the same storage: on a CPU a handful of small tensor ops costs
+tens of microseconds, and these hooks sit on the engine's per-token path. Both implement
+:class:`PageState`; the tests check them against each other.
+
+State per physical page: ``generation`` (bumped on every allocation), ``written`` (the
+generation the page was last written for: the pool's ``tag_store``), ``free`` (it carries a
+free stamp), and the canary stamp in the first bytes of the page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from engine_hooks import canary
+from engine_hooks.checksum import tensor_buffer
+from engine_hooks.pool import PagedKVPool, PageIds
+
+#: Page ids or generations: a list of ints on the host backend, an int64 tensor on the device.
+Ints = list[int] | torch.Tensor
+#: Per-page booleans: a list on the host backend, a bool tensor on the device.
+Mask = list[bool] | torch.Tensor
+
+
+class PageState(Protocol):
+    def index(self, pages: PageIds) -> Ints: ...
+    def concat(self, parts: Sequence[Ints]) -> Ints: ...
+    def bump(self, pages: Ints) -> None: ...
+    def generations(self, pages: Ints) -> Ints: ...
+    def own_writes(self, pages: Ints) -> None: ...
+    def stale(self, pages: Ints, expected: Ints) -> Mask: ...
+    def set_free(self, pages: Ints, free: bool) -> Mask: ...
+    def was_free(self, pages: Ints) -> Mask: ...
+    def stamp(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> None: ...
+    def intact(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> Mask: ...
+
+
+def page_state(pool: PagedKVPool) -> PageState:
+    return HostPages(pool) if pool.is_cpu else DevicePages(pool)
+
+
+class DevicePages:
+    def __init__(self, pool: PagedKVPool) -> None:
+        self.pool = pool
+        n, device = pool.num_pages, pool.device
+        self.generation = torch.zeros(n, dtype=torch.int64, device=device)
+        self.written = pool.tag_store
+        self.free = torch.zeros(n, dtype=torch.bool, device=device)
+        self.stamp_area = pool.page_views[0][:, : canary.STAMP_BYTES]
+        self._one = torch.ones(1, dtype=torch.int64, device=device)
+
+    def index(self, pages: PageIds) -> torch.Tensor:
+        return self.pool.as_index(pages)
+
+    def concat(self, parts: Sequence[Ints]) -> torch.Tensor:
+        return torch.cat([torch.as_tensor(p, device=self.pool.device) for p in parts])
+
+    def bump(self, pages: Ints) -> None:
+        index = torch.as_tensor(pages)
+        self.generation.index_add_(0, index, self._one.expand(index.numel()))
+
+    def generations(self, pages: Ints) -> torch.Tensor:
+        return self.generation.index_select(0, torch.as_tensor(pages))
+
+    def own_writes(self, pages: Ints) -> None:
+        index = torch.as_tensor(pages)
+        self.written[index] = self.generation.index_select(0, index)
+
+    def stale(self, pages: Ints, expected: Ints) -> torch.Tensor:
+        index, want = torch.as_tensor(pages), torch.as_tensor(expected)
+        return (self.generation.index_select(0, index) != want) | (
+            self.written.index_select(0, index) != want
+        )
+
+    def was_free(self, pages: Ints) -> torch.Tensor:
+        return self.free.index_select(0, torch.as_tensor(pages))
+
+    def set_free(self, pages: Ints, free: bool) -> torch.Tensor:
+        index = torch.as_tensor(pages)
+        before = self.free.index_select(0, index)
+        self.free[index] = free
+        return before
+
+    def _stamps(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> torch.Tensor:
+        return canary.stamps(
+            torch.as_tensor(pages), torch.as_tensor(gens), purpose, self.pool.kv_dtype
+        )
+
+    def stamp(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> None:
+        self.stamp_area[torch.as_tensor(pages)] = self._stamps(pages, gens, purpose)
+
+    def intact(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> torch.Tensor:
+        current = self.stamp_area.index_select(0, torch.as_tensor(pages))
+        return (current == self._stamps(pages, gens, purpose)).all(dim=1)
+
+
+class HostPages:
+    def __init__(self, pool: PagedKVPool) -> None:
+        self.pool = pool
+        self.generation = [0] * pool.num_pages
+        self.written = tensor_buffer(pool.tag_store).cast("q")
+        self.free = bytearray(pool.num_pages)
+        self.stamp_view = tensor_buffer(pool.page_views[0])
+        self.width = pool.layer_page_bytes[0]
+        self.kv_dtype = pool.kv_dtype
+
+    def index(self, pages: PageIds) -> list[int]:
+        ids = pages.tolist() if isinstance(pages, torch.Tensor) else [int(p) for p in pages]
+        self.pool.check_ids(ids)
+        return ids
+
+    def concat(self, parts: Sequence[Ints]) -> list[int]:
+        out: list[int] = []
+        for part in parts:
+            out.extend(part.tolist() if isinstance(part, torch.Tensor) else part)
+        return out
+
+    @staticmethod
+    def _ints(values: Ints) -> list[int]:
+        return values.tolist() if isinstance(values, torch.Tensor) else values
+
+    def bump(self, pages: Ints) -> None:
+        for p in self._ints(pages):
+            self.generation[p] += 1
+
+    def generations(self, pages: Ints) -> list[int]:
+        return [self.generation[p] for p in self._ints(pages)]
+
+    def own_writes(self, pages: Ints) -> None:
+        for p in self._ints(pages):
+            self.written[p] = self.generation[p]
+
+    def stale(self, pages: Ints, expected: Ints) -> list[bool]:
+        gen, written = self.generation, self.written
+        return [
+            gen[p] != e or written[p] != e
+            for p, e in zip(self._ints(pages), self._ints(expected), strict=True)
+        ]
+
+    def was_free(self, pages: Ints) -> list[bool]:
+        return [bool(self.free[p]) for p in self._ints(pages)]
+
+    def set_free(self, pages: Ints, free: bool) -> list[bool]:
+        before = []
+        for p in self._ints(pages):
+            before.append(bool(self.free[p]))
+            self.free[p] = free
+        return before
+
+    def stamp(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> None:
+        view, width, n = self.stamp_view, self.width, canary.STAMP_BYTES
+        for p, g in zip(self._ints(pages), self._ints(gens), strict=True):
+            view[p * width : p * width + n] = canary.stamp_bytes(p, g, purpose, self.kv_dtype)
+
+    def intact(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> list[bool]:
+        view, width, n = self.stamp_view, self.width, canary.STAMP_BYTES
+        return [
+            view[p * width : p * width + n] == canary.stamp_bytes(p, g, purpose, self.kv_dtype)
+            for p, g in zip(self._ints(pages), self._ints(gens), strict=True)
+        ]
