@@ -1,0 +1,68 @@
+"""Generate the committed dashboard JSON from the Python definitions.
+
+    python -m dashboards.generate            # rewrite dashboards/*.json
+    python -m dashboards.generate --check    # exit 1 if a committed file differs from its source
+
+Grafana imports the files as they are (Dashboards > New > Import) or provisions them from a
+directory; ``kvwatch dashboards push`` uploads them through the HTTP API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+
+from dashboards import node, overview
+
+REPO = Path(__file__).resolve().parent.parent
+DASHBOARDS: dict[str, Callable[[], dash.Dashboard]] = {
+    "kvwatch-overview.json": overview.build,
+    "kvwatch-node.json": node.build,
+}
+
+
+def to_dict(board: dash.Dashboard) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(json.dumps(board.build(), cls=JSONEncoder))
+    return data
+
+
+def render() -> dict[Path, str]:
+    """Every generated file's path (relative to the repository root) and content."""
+    return {
+        Path("dashboards") / name: json.dumps(to_dict(build()), indent=2, sort_keys=True) + "\n"
+        for name, build in DASHBOARDS.items()
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dashboards.generate", description=__doc__)
+    parser.add_argument("--root", type=Path, default=REPO, help="repository root to write under")
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    stale = []
+    for rel, text in render().items():
+        path = args.root / rel
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(rel))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    if stale:
+        print(
+            "stale dashboard JSON: " + ", ".join(stale) + "; run `python -m dashboards.generate`",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""The kvwatch overview: is any request reading pages it did not write, anywhere, and could it?"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DashboardLinkType,
+    DynamicConfigValue,
+    Threshold,
+)
+
+from dashboards.common import (
+    GREEN_ORANGE_RED,
+    JOB,
+    NODE_ROLE,
+    NODES,
+    Ids,
+    datasource_variable,
+    instant_table_query,
+    node_variable,
+    query,
+    role_variable,
+    row,
+    stat_panel,
+    table_panel,
+    timeseries_panel,
+)
+
+UID = "kvwatch-overview"
+TITLE = "kvwatch / Overview"
+
+
+def build() -> dash.Dashboard:
+    ids = Ids()
+    board = (
+        dash.Dashboard(TITLE)
+        .uid(UID)
+        .description(
+            "KV-cache integrity across a prefill/decode deployment: mismatches, verification "
+            "coverage, the pool-versus-context band, engine releases, the hooks' own cost and "
+            "the kvwatch daemons' health."
+        )
+        .tags(["kvwatch", "kv-cache", "llm-serving"])
+        .editable()
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .time("now-6h", "now")
+        .refresh("30s")
+        .timezone("browser")
+        .with_variable(datasource_variable())
+        .with_variable(node_variable(multi=True))
+        .with_variable(role_variable(NODES))
+        .link(
+            dash.DashboardLink("kvwatch dashboards")
+            .type(DashboardLinkType.DASHBOARDS)
+            .tags(["kvwatch"])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+        )
+    )
+
+    board = board.with_row(row(ids, "Integrity"))
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Integrity mismatches",
+            "KV integrity mismatches in the time range, all detectors (kvwatch and the engine's "
+            "own). Above 0 a request read pages it did not write. Runbook: KVIntegrityMismatch.",
+            f"sum(increase(kvwatch_mismatches_total{{{NODE_ROLE}}}[$__range])) or vector(0)",
+        )
+    )
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Aborted requests admitted",
+            "Requests already marked for abort that an admission queue let through, in the time "
+            "range. Runbook: KVAbortedRequestAdmitted.",
+            f"sum(increase(kvwatch_aborted_admissions_total{{{NODE_ROLE}}}[$__range]))"
+            " or vector(0)",
+        )
+    )
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Roles with an unsafe band",
+            "Node and role pairs whose KV pool is smaller than the context length now. Runbook: "
+            "KVPoolSmallerThanContext.",
+            f"count(max by (node, role) (kvwatch_unsafe_band_tokens{{{NODE_ROLE}}}) > 0)"
+            " or vector(0)",
+        )
+    )
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Vulnerable engines in PD mode",
+            "Engine processes running a release before 0.5.20 as prefill or decode (recording "
+            "rule kvwatch:engine_info:vulnerable_pd from alerts/kvwatch.rules.yml). Runbook: "
+            "KVEngineReleaseVulnerable.",
+            f"count(kvwatch:engine_info:vulnerable_pd{{{NODE_ROLE}}}) or vector(0)",
+        )
+    )
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "Integrity mismatches by detector and node",
+            "Mismatches per interval, by node, role, detector and kind. Rare by design: every bar "
+            "is an incident; `kvwatch incidents` lists the requests.",
+            [
+                query(
+                    "sum by (node, role, detector, kind) "
+                    f"(increase(kvwatch_mismatches_total{{{NODE_ROLE}}}[$__rate_interval]))",
+                    "{{node}} {{role}} {{detector}} {{kind}}",
+                )
+            ],
+            width=16,
+            bars=True,
+        )
+    )
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "Aborted admissions by queue",
+            "Aborted requests admitted per interval, by node and admission queue.",
+            [
+                query(
+                    "sum by (node, role, queue) "
+                    f"(increase(kvwatch_aborted_admissions_total{{{NODE_ROLE}}}"
+                    "[$__rate_interval]))",
+                    "{{node}} {{role}} {{queue}}",
+                )
+            ],
+            width=8,
+            bars=True,
+        )
+    )
+
+    board = board.with_row(row(ids, "Verification coverage"))
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "Verified requests by detector",
+            "Requests each detector verified, per second. A detector at 0 while others verify on "
+            "the same role is KVDetectorVerifyingNothing.",
+            [
+                query(
+                    "sum by (node, role, detector) "
+                    f"(rate(kvwatch_verifications_total{{{NODE_ROLE}}}[$__rate_interval]))",
+                    "{{node}} {{role}} {{detector}}",
+                )
+            ],
+            unit="reqps",
+            width=8,
+        )
+    )
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "Skipped verifications by reason",
+            "Requests a detector did not verify, per second, by reason (mode_off, "
+            "unsupported_layout, no_seal, ...).",
+            [
+                query(
+                    "sum by (node, role, detector, reason) "
+                    f"(rate(kvwatch_verifications_skipped_total{{{NODE_ROLE}}}"
+                    "[$__rate_interval]))",
+                    "{{node}} {{role}} {{detector}} {{reason}}",
+                )
+            ],
+            unit="reqps",
+            width=8,
+        )
+    )
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "Coverage in the time range",
+            "Share of the requests that reached a detector which it verified, per node, role and "
+            "detector, over the dashboard's time range.",
+            [
+                instant_table_query(
+                    "sum by (node, role, detector) "
+                    f"(increase(kvwatch_verifications_total{{{NODE_ROLE}}}[$__range]))\n"
+                    "/ (\n"
+                    "  sum by (node, role, detector) "
+                    f"(increase(kvwatch_verifications_total{{{NODE_ROLE}}}[$__range]))\n"
+                    "  + sum by (node, role, detector) "
+                    f"(increase(kvwatch_verifications_skipped_total{{{NODE_ROLE}}}[$__range]))\n"
+                    ")"
+                )
+            ],
+            rename={"Value": "verified"},
+            width=8,
+        ).unit("percentunit")
+    )
+
+    board = board.with_row(row(ids, "KV pool versus context length"))
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "KV pool and context length",
+            "Tokens the KV pool holds and the context length the engine advertises, per node and "
+            "role. Where the context line is above the pool line, prompts in between pass the "
+            "context check and fail the pool check: the unsafe band.",
+            [
+                query(
+                    f"max by (node, role) (kvwatch_kv_pool_tokens{{{NODE_ROLE}}})",
+                    "{{node}} {{role}} pool",
+                    "A",
+                ),
+                query(
+                    f"max by (node, role) (kvwatch_context_length_tokens{{{NODE_ROLE}}})",
+                    "{{node}} {{role}} context",
+                    "B",
+                ),
+            ],
+            width=12,
+        )
+    )
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "Unsafe band per node and role",
+            "Pool, context and the band max(0, context - pool) in tokens, now. Red rows page "
+            "(KVPoolSmallerThanContext).",
+            [
+                instant_table_query(
+                    f"min by (node, role, engine, model) (kvwatch_kv_pool_tokens{{{NODE_ROLE}}})",
+                    "A",
+                ),
+                instant_table_query(
+                    "max by (node, role, engine, model) "
+                    f"(kvwatch_context_length_tokens{{{NODE_ROLE}}})",
+                    "B",
+                ),
+                instant_table_query(
+                    "max by (node, role, engine, model) "
+                    f"(kvwatch_unsafe_band_tokens{{{NODE_ROLE}}})",
+                    "C",
+                ),
+            ],
+            rename={"Value #A": "pool", "Value #B": "context", "Value #C": "unsafe band"},
+            width=12,
+        ).override_by_name(
+            "unsafe band",
+            [
+                DynamicConfigValue("custom.cellOptions", {"type": "color-background"}),
+                DynamicConfigValue(
+                    "thresholds",
+                    {
+                        "mode": "absolute",
+                        "steps": [
+                            {"value": None, "color": "green"},
+                            {"value": 1, "color": "red"},
+                        ],
+                    },
+                ),
+            ],
+        )
+    )
+
+    board = board.with_row(row(ids, "Engines"))
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "Engine releases per role",
+            "Engine processes by node, role, engine, release and model. SGLang (and minipd) before "
+            "0.5.20 in PD mode leak; 0.5.22 is the recommended floor; prefill and decode should "
+            "run the same release.",
+            [
+                instant_table_query(
+                    "count by (node, role, engine, version, model) "
+                    f"(kvwatch_engine_info{{{NODE_ROLE}}})"
+                )
+            ],
+            rename={"Value": "processes"},
+            width=16,
+        )
+    )
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Releases per model across prefill and decode",
+            "Distinct engine releases serving each model in PD mode: more than 1 is skew "
+            "(KVEngineReleaseSkew).",
+            "count by (engine, model) (group by (engine, model, version) "
+            f'(kvwatch_engine_info{{{NODES}, role=~"prefill|decode"}}))',
+            steps=[Threshold(value=None, color="green"), Threshold(value=2, color="orange")],
+            width=8,
+            height=8,
+        )
+    )
+
+    board = board.with_row(row(ids, "Hooks' own cost"))
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "Time inside kvwatch's hooks",
+            "Seconds the engine spent inside kvwatch's hooks per second of wall time (1 = one "
+            "core's worth), by node and hook. This is kvwatch's overhead on the engine.",
+            [
+                query(
+                    "sum by (node, hook) "
+                    f"(rate(kvwatch_hook_seconds_total{{{NODE_ROLE}}}[$__rate_interval]))",
+                    "{{node}} {{hook}}",
+                )
+            ],
+            unit="percentunit",
+            width=24,
+        )
+    )
+
+    board = board.with_row(row(ids, "kvwatch daemons"))
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Daemons down",
+            "kvwatch daemons Prometheus cannot scrape (KVWatchDaemonDown).",
+            f"count(up{{{JOB}, {NODES}}} == 0) or vector(0)",
+        )
+    )
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Spool records lost",
+            "Records the daemon never received (sequence gaps) in the time range "
+            "(KVSpoolRecordsLost).",
+            f"sum(increase(kvwatch_spool_lost_records_total{{{NODES}}}[$__range])) or vector(0)",
+        )
+    )
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Spool records rejected",
+            "Torn, corrupt or foreign records the daemon skipped in the time range "
+            "(KVSpoolRecordsRejected).",
+            f"sum(increase(kvwatch_spool_rejected_total{{{NODES}}}[$__range])) or vector(0)",
+            steps=GREEN_ORANGE_RED,
+        )
+    )
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Oldest hook record",
+            "Seconds since the quietest node's hooks last wrote a spool record (KVHooksSilent "
+            "above 300 s).",
+            f"max(time() - max by (node) (kvwatch_last_record_timestamp_seconds{{{NODES}}}))",
+            steps=[Threshold(value=None, color="green"), Threshold(value=300, color="orange")],
+            unit="s",
+        )
+    )
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "Spool records",
+            "Records read, rejected (by reason) and lost per second, by node.",
+            [
+                query(
+                    f"sum by (node) (rate(kvwatch_spool_records_total{{{NODES}}}"
+                    "[$__rate_interval]))",
+                    "{{node}} read",
+                    "A",
+                ),
+                query(
+                    f"sum by (node, reason) (rate(kvwatch_spool_rejected_total{{{NODES}}}"
+                    "[$__rate_interval]))",
+                    "{{node}} rejected {{reason}}",
+                    "B",
+                ),
+                query(
+                    f"sum by (node) (rate(kvwatch_spool_lost_records_total{{{NODES}}}"
+                    "[$__rate_interval]))",
+                    "{{node}} lost",
+                    "C",
+                ),
+            ],
+            unit="ops",
+            width=8,
+        )
+    )
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "Spool lag and producers",
+            "Bytes written by the hooks that the daemon has not read yet, and the number of "
+            "engine processes writing to the spool, by node.",
+            [
+                query(
+                    f"max by (node) (kvwatch_spool_lag_bytes{{{NODES}}})",
+                    "{{node}} lag",
+                    "A",
+                ),
+                query(
+                    f"max by (node) (kvwatch_producers{{{NODES}}})",
+                    "{{node}} producers",
+                    "B",
+                ),
+            ],
+            unit="bytes",
+            width=8,
+        ).override_by_regexp(".* producers", [DynamicConfigValue("unit", "short")])
+    )
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "Daemon collectors",
+            "Whether each collector's last run succeeded (1) and how long it took, by node.",
+            [
+                instant_table_query(
+                    f"min by (node, collector) (kvwatch_collector_success{{{NODES}}})", "A"
+                ),
+                instant_table_query(
+                    f"max by (node, collector) (kvwatch_collector_duration_seconds{{{NODES}}})",
+                    "B",
+                ),
+            ],
+            rename={"Value #A": "success", "Value #B": "seconds"},
+            width=8,
+        )
+    )
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "kvwatch releases",
+            "Daemons per kvwatch release. The engine hooks and the daemon should run the same "
+            "release (spool records of another schema version are rejected).",
+            [instant_table_query(f"count by (version) (kvwatch_build_info{{{NODES}}})")],
+            rename={"Value": "daemons"},
+            width=24,
+            height=5,
+        )
+    )
+    return board
