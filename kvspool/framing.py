@@ -63,7 +63,14 @@ def iter_frames(buf: bytes, offset: int = 0) -> Iterator[Frame]:
             return
         payload = bytes(view[pos + HEADER_BYTES : end])
         if zlib.crc32(payload) != crc:
-            yield Frame(pos, end, error="crc")
-        else:
-            yield Frame(pos, end, payload=payload)
+            found = -1
+            if end < size and not buf.startswith(MAGIC, end):
+                # The damage may be in the length itself: rather than jump over frames that may
+                # be intact, resynchronise on the next magic after this header.
+                found = buf.find(MAGIC, pos + 1, end)
+            nxt = end if found < 0 else found
+            yield Frame(pos, nxt, error="crc")
+            pos = nxt
+            continue
+        yield Frame(pos, end, payload=payload)
         pos = end

@@ -1,0 +1,289 @@
+"""/metrics: one custom Collector that renders the daemon's state at scrape time.
+
+Every family in DESIGN.md, bounded labels only, every series with a known label set initialised to
+0. Gauges that describe an engine (pool, context, page size, unsafe band, engine info) exist for
+the producers that are alive and the engine logs being watched, with ``source`` saying which.
+"""
+
+from __future__ import annotations
+
+import itertools
+import platform
+import time
+from collections.abc import Iterable, Iterator
+from typing import Final, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvwatch import __version__
+from kvwatch.state import (
+    DROP_REASONS,
+    LABEL_SETS,
+    OTHER,
+    REJECT_REASONS,
+    SKIP_REASONS,
+    LabelKey,
+    State,
+    bound,
+)
+
+#: Families fed by the hooks' cumulative counters: family -> (help, label names, value sets).
+_HOOK_FAMILIES: Final[dict[str, tuple[str, tuple[str, ...], tuple[tuple[str, ...], ...]]]] = {
+    "kvwatch_verifications": (
+        "Requests a detector verified, summed over engine processes.",
+        ("detector", "role"),
+        (LABEL_SETS["detector"], LABEL_SETS["role"]),
+    ),
+    "kvwatch_verifications_skipped": (
+        "Requests a detector did not verify, by reason.",
+        ("detector", "role", "reason"),
+        (LABEL_SETS["detector"], LABEL_SETS["role"], SKIP_REASONS),
+    ),
+    "kvwatch_mismatches": (
+        "KV integrity mismatches found by a detector: a request read pages it did not write.",
+        ("detector", "role", "kind"),
+        (LABEL_SETS["detector"], LABEL_SETS["role"], LABEL_SETS["kind"]),
+    ),
+    "kvwatch_aborted_admissions": (
+        "Aborted requests that an admission queue let through.",
+        ("queue", "role"),
+        (LABEL_SETS["queue"], LABEL_SETS["role"]),
+    ),
+    "kvwatch_hook_seconds": (
+        "Time spent inside kvwatch's engine hooks.",
+        ("hook",),
+        (LABEL_SETS["hook"],),
+    ),
+    "kvwatch_hook_errors": (
+        "Exceptions caught inside kvwatch's engine hooks (the engine never sees them).",
+        ("hook",),
+        (LABEL_SETS["hook"],),
+    ),
+    "kvwatch_spool_dropped_records": (
+        "Records the hooks could not write to the spool, by reason.",
+        ("reason",),
+        (DROP_REASONS,),
+    ),
+}
+_ENGINE_GAUGES: Final = {
+    "kv_pool_tokens": ("kvwatch_kv_pool_tokens", "Tokens the engine's KV pool holds."),
+    "context_length_tokens": (
+        "kvwatch_context_length_tokens",
+        "The longest prompt the engine accepts (its advertised context length).",
+    ),
+    "page_size_tokens": ("kvwatch_page_size_tokens", "Tokens per KV page."),
+}
+_ENGINE_LABELS: Final = ("role", "engine", "model", "rank", "source")
+LOG_ERROR_REASONS: Final = ("unparsed", "encoding", "long_line", "read_error")
+COLLECTORS: Final = ("spool", "logs", "nvml", "journal")
+GPU_STATES: Final = ("total", "used", "free")
+
+
+class GpuSource(Protocol):
+    """Where GPU memory comes from: NVML in production."""
+
+    @property
+    def up(self) -> bool: ...
+
+    def memory(self) -> list[tuple[str, int, int, int]]:
+        """(gpu index, total, used, free) in bytes per GPU."""
+        ...
+
+
+def _grid(sets: tuple[tuple[str, ...], ...]) -> Iterator[LabelKey]:
+    return itertools.product(*sets)
+
+
+class KvwatchCollector(Collector):
+    """The daemon's /metrics; ``gpus`` is read at scrape time (as node_exporter does)."""
+
+    def __init__(self, state: State, gpus: GpuSource | None = None) -> None:
+        self.state = state
+        self.gpus = gpus
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        started = time.perf_counter()
+        gpu_rows: list[tuple[str, int, int, int]] = []
+        gpu_ok = False
+        if self.gpus is not None and self.gpus.up:
+            try:
+                gpu_rows = self.gpus.memory()
+                gpu_ok = True
+            except Exception:
+                gpu_ok = False
+        gpu_seconds = time.perf_counter() - started
+        with self.state.lock:
+            families = list(self._families())
+            collectors = dict(self.state.collectors)
+        if self.gpus is not None:
+            # No NVIDIA GPU is not a failure (kvwatch_nvml_up says it); a failed query is.
+            collectors["nvml"] = (gpu_ok or not self.gpus.up, gpu_seconds)
+        yield from families
+        yield from self._gpu_families(gpu_rows)
+        success = GaugeMetricFamily(
+            "kvwatch_collector_success",
+            "Whether the collector's last run succeeded.",
+            labels=["collector"],
+        )
+        duration = GaugeMetricFamily(
+            "kvwatch_collector_duration_seconds",
+            "How long the collector's last run took.",
+            labels=["collector"],
+        )
+        for name in COLLECTORS:
+            # Not configured, or not run yet: nothing failed.
+            ok, seconds = collectors.get(name, (True, 0.0))
+            success.add_metric([name], 1.0 if ok else 0.0)
+            duration.add_metric([name], seconds)
+        yield success
+        yield duration
+
+    # -- families -----------------------------------------------------------------------------
+
+    def _families(self) -> Iterator[Metric]:
+        state = self.state
+        build = GaugeMetricFamily(
+            "kvwatch_build_info",
+            "kvwatch's version; the value is 1.",
+            labels=["version", "python"],
+        )
+        build.add_metric([__version__, platform.python_version()], 1.0)
+        yield build
+        yield from self._engine_families()
+        totals = state.hook_counter_totals()
+        for family, (text, labels, sets) in _HOOK_FAMILIES.items():
+            metric = CounterMetricFamily(family, text, labels=list(labels))
+            for key in _grid(sets):
+                metric.add_metric(list(key), totals.get((family, key), 0.0))
+            yield metric
+        incidents = CounterMetricFamily(
+            "kvwatch_incidents",
+            "Detection events committed to the journal (one per affected request and finding).",
+            labels=["detector", "role", "kind"],
+        )
+        for key in _grid((LABEL_SETS["detector"], LABEL_SETS["role"], LABEL_SETS["kind"])):
+            incidents.add_metric(list(key), state.daemon.get(("incidents", key), 0.0))
+        yield incidents
+        yield CounterMetricFamily(
+            "kvwatch_spool_records",
+            "Spool records committed to the journal.",
+            value=state.daemon.get(("spool_records", ()), 0.0),
+        )
+        rejected = CounterMetricFamily(
+            "kvwatch_spool_rejected",
+            "Spool frames, records or files rejected, by reason.",
+            labels=["reason"],
+        )
+        for reason in REJECT_REASONS:
+            rejected.add_metric([reason], state.daemon.get(("spool_rejected", (reason,)), 0.0))
+        yield rejected
+        yield CounterMetricFamily(
+            "kvwatch_spool_lost_records",
+            "Records missing from a producer's sequence numbers (never reached the daemon).",
+            value=state.daemon.get(("spool_lost_records", ()), 0.0),
+        )
+        yield GaugeMetricFamily(
+            "kvwatch_spool_lag_bytes",
+            "Bytes in the spool not yet read.",
+            value=float(state.lag_bytes),
+        )
+        yield GaugeMetricFamily(
+            "kvwatch_producers",
+            "Engine processes with a live spool segment.",
+            value=float(state.live_producers),
+        )
+        yield GaugeMetricFamily(
+            "kvwatch_last_record_timestamp_seconds",
+            "Unix time of the newest record committed to the journal.",
+            value=state.last_record_ts,
+        )
+        yield CounterMetricFamily(
+            "kvwatch_log_lines",
+            "Engine log lines read.",
+            value=state.log_counts.get(("lines", ()), 0.0),
+        )
+        errors = CounterMetricFamily(
+            "kvwatch_log_errors",
+            "Engine log lines that could not be read, by reason.",
+            labels=["reason"],
+        )
+        for reason in LOG_ERROR_REASONS:
+            errors.add_metric([reason], state.log_counts.get(("errors", (reason,)), 0.0))
+        yield errors
+
+    def _engine_families(self) -> Iterator[Metric]:
+        state = self.state
+        latest: dict[LabelKey, tuple[float, dict[str, float]]] = {}
+        info: set[tuple[str, str, str, str]] = set()
+        for producer in state.producers.values():
+            if producer.retired:
+                continue
+            role = bound("role", producer.role)
+            engine = bound("engine", producer.engine)
+            model = state.models(producer.model)
+            info.add((engine, state.versions(producer.engine_version), role, model))
+            if producer.gauges:
+                key: LabelKey = (role, engine, model, state.ranks(producer.rank), "hooks")
+                if key not in latest or latest[key][0] <= producer.last_ts:
+                    latest[key] = (producer.last_ts, producer.gauges)
+        for source in state.logs.values():
+            role = bound("role", source.role)
+            engine = bound("engine", source.engine)
+            model = state.models(source.model)
+            if source.version:
+                info.add((engine, state.versions(source.version), role, model))
+            if source.gauges:
+                latest[(role, engine, model, state.ranks(source.rank), "log")] = (
+                    0.0,
+                    source.gauges,
+                )
+        for name, (family, text) in _ENGINE_GAUGES.items():
+            metric = GaugeMetricFamily(family, text, labels=list(_ENGINE_LABELS))
+            for labels, (_, gauges) in sorted(latest.items()):
+                if name in gauges:
+                    metric.add_metric(list(labels), gauges[name])
+            yield metric
+        band = GaugeMetricFamily(
+            "kvwatch_unsafe_band_tokens",
+            "Prompt lengths that pass the context check but do not fit the KV pool:"
+            " max(0, context - pool). Above 0, a rejected prompt can read other users' pages.",
+            labels=list(_ENGINE_LABELS),
+        )
+        for key, (_, gauges) in sorted(latest.items()):
+            pool = gauges.get("kv_pool_tokens")
+            context = gauges.get("context_length_tokens")
+            if pool is not None and context is not None:
+                band.add_metric(list(key), max(0.0, context - pool))
+        yield band
+        engine_info = GaugeMetricFamily(
+            "kvwatch_engine_info",
+            "The engines kvwatch sees; the value is 1.",
+            labels=["engine", "version", "role", "model"],
+        )
+        for row in sorted(info):
+            engine_info.add_metric(list(row), 1.0)
+        yield engine_info
+
+    def _gpu_families(self, rows: list[tuple[str, int, int, int]]) -> Iterator[Metric]:
+        up = self.gpus is not None and self.gpus.up
+        yield GaugeMetricFamily(
+            "kvwatch_nvml_up",
+            "Whether NVML answered (0 on a node without NVIDIA GPUs).",
+            value=1.0 if up else 0.0,
+        )
+        memory = GaugeMetricFamily(
+            "kvwatch_gpu_memory_bytes",
+            "GPU memory by state (total, used, free), from NVML.",
+            labels=["gpu", "state"],
+        )
+        for gpu, total, used, free in rows:
+            for state, value in zip(GPU_STATES, (total, used, free), strict=True):
+                memory.add_metric([gpu, state], float(value))
+        yield memory
+
+
+__all__ = ["COLLECTORS", "OTHER", "GpuSource", "KvwatchCollector"]

@@ -1,0 +1,118 @@
+"""Write spool segments the way engine_hooks' SpoolWriter does, with kvspool alone (no torch)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from kvspool import encode_frame, encode_payload
+
+T0 = 1_790_000_000.0
+
+
+class Producer:
+    """Records of one producer, with sequence numbers from 1, written to named segments."""
+
+    def __init__(
+        self,
+        directory: Path,
+        name: str = "sglang-decode-r0-100-aaaa0001",
+        *,
+        role: str = "decode",
+        engine: str = "sglang",
+        model: str = "glm-5.3",
+        version: str = "0.5.23",
+        rank: int = 0,
+        host: str = "node-a",
+    ) -> None:
+        self.directory = directory
+        self.name = name
+        self.seq = 0
+        self.index = 0
+        self.identity = {
+            "engine": engine,
+            "engine_version": version,
+            "role": role,
+            "model": model,
+            "rank": rank,
+            "pid": 100,
+            "host": host,
+        }
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"{self.name}.{self.index:06d}.kvs"
+
+    def record(self, kind: str, fields: dict[str, Any], *, skip: int = 0) -> dict[str, Any]:
+        self.seq += 1 + skip
+        out = {"v": 1, "type": kind, "producer": self.name}
+        out.update(fields)
+        out["seq"] = self.seq
+        out["ts"] = T0 + self.seq
+        return out
+
+    def frame(self, kind: str, fields: dict[str, Any], *, skip: int = 0) -> bytes:
+        return encode_frame(encode_payload(self.record(kind, fields, skip=skip)))
+
+    def hello(self) -> bytes:
+        return self.frame("hello", dict(self.identity))
+
+    def event(
+        self,
+        request_id: str,
+        detector: str = "canary",
+        kind: str = "unwritten_page",
+        pages: list[int] | None = None,
+    ) -> bytes:
+        pages = [1, 2, 3, 4, 5, 6, 7] if pages is None else pages
+        return self.frame(
+            "event",
+            {
+                "detector": detector,
+                "kind": kind,
+                "mode": "log",
+                "action": "logged",
+                "request_id": request_id,
+                "pages": pages,
+                "pages_total": len(pages),
+                "detail": {"unwritten": len(pages)},
+            },
+        )
+
+    def counters(self, verifications: int, *, mismatches: int = 0) -> bytes:
+        series: list[list[Any]] = [
+            ["verifications", {"detector": "canary"}, verifications],
+            ["verifications", {"detector": "checksum"}, verifications],
+            ["verifications_skipped", {"detector": "page_tag", "reason": "mode_off"}, 2],
+            ["hook_seconds", {"hook": "verify"}, 0.25],
+            ["aborted_admissions", {"queue": "decode_prealloc"}, 1],
+        ]
+        if mismatches:
+            series.append(
+                ["mismatches", {"detector": "canary", "kind": "unwritten_page"}, mismatches]
+            )
+        return self.frame("counters", {"counters": series})
+
+    def gauges(self, pool: int, context: int, page: int = 64) -> bytes:
+        return self.frame(
+            "gauges",
+            {
+                "gauges": [
+                    ["kv_pool_tokens", {}, pool],
+                    ["context_length_tokens", {}, context],
+                    ["page_size_tokens", {}, page],
+                ]
+            },
+        )
+
+    def seal(self) -> bytes:
+        return self.frame("seal", {"next_segment": f"{self.name}.{self.index + 1:06d}.kvs"})
+
+    def append(self, *frames: bytes) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        try:
+            for frame in frames:
+                os.write(fd, frame)
+        finally:
+            os.close(fd)

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwatch.journal import Journal
+from kvwatch.logparse import EngineView
+from kvwatch.metrics import KvwatchCollector
+from kvwatch.spool_reader import SpoolReader
+from kvwatch.state import LogSource, State
+from tests.kvwatch.spoolgen import Producer
+
+GOLDEN = Path(__file__).parent / "golden" / "metrics.prom"
+
+
+class FakeGpus:
+    """A fixed GPU source for the golden file (the real NVML is tested in test_nvml)."""
+
+    up = True
+
+    def memory(self) -> list[tuple[str, int, int, int]]:
+        return [("0", 80 << 30, 60 << 30, 20 << 30)]
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail(
+            "promtool not found: install Debian's 'prometheus' package"
+            " (make test does: apt-get install -y prometheus prometheus-alertmanager)"
+        )
+    return path
+
+
+def fixed_state(spool: Path, journal: Journal) -> State:
+    state = journal.load()
+    decode = Producer(spool, "sglang-decode-r0-100-aaaa0001", role="decode")
+    decode.append(
+        decode.hello(),
+        decode.gauges(681280, 1048576),
+        decode.counters(40, mismatches=2),
+        decode.event("req-7"),
+        decode.event("req-8", detector="checksum", kind="digest"),
+    )
+    prefill = Producer(spool, "sglang-prefill-r0-101-aaaa0002", role="prefill")
+    hello = prefill.hello()
+    prefill.append(hello, prefill.gauges(2040000, 1048576), prefill.counters(39))
+    odd = Producer(spool, "custom-weird-r0-102-aaaa0003", role="verifier", engine="tgi")
+    odd.append(odd.hello(), odd.frame("gauges", {"gauges": []}, skip=2))
+    broken = bytearray(decode.event("req-9"))
+    broken[-3] ^= 0xFF
+    decode.append(bytes(broken))
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    reader.poll()
+    view = EngineView(role="prefill", rank=0, engine="vllm")
+    view.pool_tokens, view.context_tokens = 1234567, 131072
+    state.logs["vllm.log"] = LogSource("prefill", "vllm", "llama", 0, view.gauges(), "0.33.0")
+    state.collectors["spool"] = (True, 0.0)
+    return state
+
+
+def render(state: State, gpus: object | None = None) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KvwatchCollector(state, gpus))  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+def normalise(text: str) -> str:
+    text = re.sub(r'python="[^"]+"', 'python="X"', text)
+    text = re.sub(r"(kvwatch_collector_duration_seconds\{[^}]*\}) \S+", r"\1 0.0", text)
+    return text
+
+
+def test_golden_metrics_and_promtool(spool: Path, journal: Journal, tmp_path: Path) -> None:
+    text = normalise(render(fixed_state(spool, journal), FakeGpus()))
+    if os.environ.get("KVWATCH_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "golden /metrics changed: metric names are a public API"
+    checked = subprocess.run(
+        [promtool(), "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_every_known_series_starts_at_zero(journal: Journal) -> None:
+    families = {f.name: f for f in text_string_to_metric_families(render(journal.load()))}
+    mismatches = families["kvwatch_mismatches"].samples
+    assert len(mismatches) == 7 * 4 * 8  # detectors (with other) x roles x kinds
+    assert {s.value for s in mismatches} == {0.0}
+    rejected = {s.labels["reason"] for s in families["kvwatch_spool_rejected"].samples}
+    assert {"crc", "torn", "owner", "schema", "oversize", "sequence"} <= rejected
+    assert families["kvwatch_nvml_up"].samples[0].value == 0
+    for name in ("kvwatch_spool_records", "kvwatch_spool_lost_records", "kvwatch_incidents"):
+        assert all(s.value == 0 for s in families[name].samples)
+
+
+def test_unknown_label_values_become_other_and_models_are_bounded(
+    spool: Path, journal: Journal
+) -> None:
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    for i in range(20):
+        p = Producer(spool, f"sglang-decode-r0-{i}-dddd{i:04d}", model=f"model-{i}", role="odd")
+        p.append(p.hello(), p.gauges(100, 200), p.counters(1))
+    reader.poll()
+    families = {f.name: f for f in text_string_to_metric_families(render(state))}
+    models = {s.labels["model"] for s in families["kvwatch_kv_pool_tokens"].samples}
+    assert len(models) == 17 and "other" in models  # the first 16, then "other"
+    roles = {s.labels["role"] for s in families["kvwatch_kv_pool_tokens"].samples}
+    assert roles == {"other"}
+    verified = {
+        s.labels["role"]: s.value
+        for s in families["kvwatch_verifications"].samples
+        if s.labels["detector"] == "canary"
+    }
+    assert verified["other"] == 20
+    assert "req-" not in render(state)  # request ids never become labels
+
+
+def test_metrics_hold_no_request_ids_or_prompt_text(spool: Path, journal: Journal) -> None:
+    text = render(fixed_state(spool, journal))
+    assert "req-7" not in text and "req-8" not in text

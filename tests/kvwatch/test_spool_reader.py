@@ -1,0 +1,365 @@
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvspool import MAX_RECORD_BYTES, encode_frame, encode_payload
+from kvwatch.journal import Journal
+from kvwatch.spool_reader import SpoolReader
+from kvwatch.state import State
+from tests.kvwatch.spoolgen import Producer
+from tests.kvwatch.writer import spool_module
+
+
+def rejected(state: State) -> dict[str, float]:
+    return {k[1][0]: v for k, v in state.daemon.items() if k[0] == "spool_rejected" and v}
+
+
+def seqs(journal: Journal, producer: str) -> list[int]:
+    rows = journal.db.execute(
+        "SELECT r.seq FROM records r JOIN producers p ON p.id = r.producer WHERE p.name = ?"
+        " ORDER BY r.rowid",
+        (producer,),
+    )
+    return [row[0] for row in rows]
+
+
+def test_records_events_and_counters_reach_the_journal(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    p.append(p.hello(), p.gauges(681280, 1048576), p.counters(10), p.event("req-1"))
+    result = reader.poll()
+    assert (result.records, result.rejected, result.lost, result.more) == (4, 0, 0, False)
+    assert seqs(journal, p.name) == [1, 2, 3, 4]
+    [incident] = journal.incidents()
+    assert incident["request_id"] == "req-1"
+    assert incident["node"] == "node-a" and incident["role"] == "decode"
+    assert incident["pages"] == [1, 2, 3, 4, 5, 6, 7]
+    producer = state.producers[p.name]
+    assert producer.gauges["kv_pool_tokens"] == 681280
+    assert state.daemon[("spool_records", ())] == 4
+    # Nothing new: a second poll reads nothing and commits nothing twice.
+    assert reader.poll().records == 0
+    assert seqs(journal, p.name) == [1, 2, 3, 4]
+
+
+def test_resumes_from_the_committed_position_after_a_restart(spool: Path, tmp_path: Path) -> None:
+    p = Producer(spool)
+    p.append(p.hello(), p.event("a"), p.event("b"))
+    first = Journal(tmp_path / "j.db")
+    SpoolReader(spool, first, first.load(), idle_grace=3600).poll()
+    first.close()
+    p.append(p.event("c"))
+    second = Journal(tmp_path / "j.db")
+    state = second.load()
+    SpoolReader(spool, second, state, idle_grace=3600).poll()
+    assert seqs(second, p.name) == [1, 2, 3, 4]
+    assert [i["request_id"] for i in second.incidents()] == ["a", "b", "c"]
+    assert state.daemon[("spool_records", ())] == 4
+
+
+def test_torn_last_record_waits_while_the_producer_lives_then_counts(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    hello = p.hello()
+    whole = p.event("whole")
+    torn = p.event("torn")
+    p.append(hello, whole, torn[: len(torn) // 2])
+    holder = os.open(p.path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # the producer is alive
+    try:
+        assert reader.poll().records == 2
+        assert rejected(state) == {}
+        assert p.path.exists()
+        assert state.lag_bytes == len(torn) // 2  # the half frame, still to come
+        assert state.live_producers == 1
+    finally:
+        os.close(holder)  # the producer dies
+    reader.idle_grace = 0.0
+    reader.poll()
+    assert rejected(state) == {"torn": 1}
+    assert [i["request_id"] for i in journal.incidents()] == ["whole"]
+    assert not p.path.exists()  # finished, moved to quarantine
+    assert (spool / "q" / p.path.name).exists()
+
+
+def test_flipped_byte_is_counted_and_the_records_around_it_kept(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    hello, before = p.hello(), p.event("before")
+    bad = bytearray(p.event("flipped"))
+    bad[-5] ^= 0x01
+    p.append(hello, before, bytes(bad), p.event("after"))
+    result = reader.poll()
+    assert rejected(state) == {"crc": 1}
+    assert [i["request_id"] for i in journal.incidents()] == ["before", "after"]
+    # The flipped record's sequence number is missing: it shows as one lost record too.
+    assert result.lost == 1
+    assert journal.scalar("SELECT count(*) FROM rejects WHERE reason = 'crc'") == 1
+
+
+def test_damaged_header_resynchronises(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    p.append(p.hello(), b"garbage-bytes-not-a-frame", p.event("after"))
+    reader.poll()
+    assert rejected(state) == {"framing": 1}
+    assert [i["request_id"] for i in journal.incidents()] == ["after"]
+
+
+def test_unknown_schema_version_and_malformed_records(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    hello = p.hello()
+    future = p.record("event", {})
+    future["v"] = 99
+    missing = p.record("event", {"detector": "canary"})
+    p.append(
+        hello,
+        encode_frame(encode_payload(future)),
+        encode_frame(encode_payload(missing)),
+        encode_frame(b"{not json"),
+        p.event("ok"),
+    )
+    reader.poll()
+    assert rejected(state) == {"schema": 1, "malformed": 2}
+    assert [i["request_id"] for i in journal.incidents()] == ["ok"]
+
+
+def test_oversize_record_is_skipped(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    huge = b"{" + b" " * (MAX_RECORD_BYTES + 10) + b"}"
+    p.append(p.hello(), encode_frame(huge), p.event("after"))
+    reader.poll()
+    assert rejected(state) == {"oversize": 1}
+    assert [i["request_id"] for i in journal.incidents()] == ["after"]
+
+
+def test_sequence_gap_is_lost_records_and_a_replay_is_rejected(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    hello = p.hello()
+    first = p.event("one")
+    p.append(hello, first, p.frame("event", _event_fields("three"), skip=5))
+    result = reader.poll()
+    assert result.lost == 5
+    assert state.daemon[("spool_lost_records", ())] == 5
+    assert journal.scalar("SELECT first_seq || '-' || last_seq FROM gaps") == "3-7"
+    p.append(first)  # the same record again
+    reader.poll()
+    assert rejected(state) == {"sequence": 1}
+    assert seqs(journal, p.name) == [1, 2, 8]
+
+
+def test_record_naming_another_producer_is_rejected(
+    spool: Path, reader: SpoolReader, state: State
+) -> None:
+    p = Producer(spool)
+    other = Producer(spool, name="vllm-prefill-r0-7-bbbb0001")
+    p.append(p.hello(), other.event("spoofed"))
+    reader.poll()
+    assert rejected(state) == {"producer": 1}
+
+
+def test_segment_owned_by_another_user_is_ignored(
+    spool: Path, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    p.append(p.hello(), p.event("x"))
+    # Allow only another uid: the file is then owned by a user not allowed to write the spool.
+    reader = SpoolReader(spool, journal, state, allowed_uids={os.geteuid() + 4242})
+    reader.poll()
+    reader.poll()  # counted once per file, not per poll
+    assert rejected(state) == {"owner": 1}
+    assert journal.incidents() == []
+    assert p.path.exists()  # not ours to remove
+    assert state.lag_bytes == 0 and state.live_producers == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root; the uid check above covers it")
+def test_segment_chowned_to_nobody_is_ignored(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    p.append(p.hello(), p.event("x"))
+    os.chown(p.path, 65534, 65534)
+    reader.poll()
+    assert rejected(state) == {"owner": 1}
+    assert journal.incidents() == []
+
+
+def test_fifo_symlink_and_bad_names_are_ignored(
+    spool: Path, reader: SpoolReader, state: State, tmp_path: Path
+) -> None:
+    os.mkfifo(spool / "sglang-decode-r0-1-cccc0001.000000.kvs")
+    target = tmp_path / "elsewhere.kvs"
+    target.write_bytes(b"")
+    (spool / "sglang-decode-r0-2-cccc0002.000000.kvs").symlink_to(target)
+    (spool / "no index.kvs").write_bytes(b"")
+    (spool / "README").write_text("not a segment")
+    reader.poll()
+    assert rejected(state) == {"not_regular": 2, "name": 1}
+
+
+def test_removal_waits_for_the_producer_and_rotation_is_followed(
+    spool: Path, journal: Journal, state: State
+) -> None:
+    writer = spool_module().SpoolWriter(
+        spool, engine="sglang", role="prefill", segment_bytes=600, max_segments=100
+    )
+    for i in range(12):
+        assert writer.write("event", _event_fields(f"r{i}"))
+    reader = SpoolReader(spool, journal, state, idle_grace=0.0)
+    reader.poll()
+    live = sorted(spool.glob("*.kvs"))
+    assert len(live) == 1  # sealed segments removed, the active one (locked) kept
+    assert state.live_producers == 1
+    assert [i["request_id"] for i in journal.incidents()] == [f"r{i}" for i in range(12)]
+    writer.close()
+    reader.poll()
+    assert list(spool.glob("*.kvs")) == []
+    assert state.producers[writer.producer].retired
+    assert state.live_producers == 0
+    assert sum(rejected(state).values()) == 0
+    assert state.daemon[("spool_lost_records", ())] == 0
+    assert journal.scalar("SELECT count(*) FROM segments WHERE removed = 0") == 0
+
+
+def test_idle_unlocked_segment_is_kept_within_the_grace(spool: Path, reader: SpoolReader) -> None:
+    p = Producer(spool)
+    p.append(p.hello())
+    reader.poll()
+    assert p.path.exists()  # unlocked but fresh: a producer may be between create and flock
+
+
+def test_counters_stay_monotonic_across_a_producer_restart(
+    spool: Path, journal: Journal, state: State
+) -> None:
+    reader = SpoolReader(spool, journal, state, idle_grace=0.0)
+    old = Producer(spool, name="sglang-decode-r0-100-aaaa0001")
+    old.append(old.hello(), old.counters(50))
+    reader.poll()
+    totals = state.hook_counter_totals()
+    key = ("kvwatch_verifications", ("canary", "decode"))
+    assert totals[key] == 50
+    assert old.path.exists() is False  # gone: the producer is dead and its records committed
+    new = Producer(spool, name="sglang-decode-r0-200-aaaa0002")
+    new.append(new.hello(), new.counters(3))
+    reader.poll()
+    assert state.hook_counter_totals()[key] == 53  # not 3: a restart is not a reset
+    # ...and after a daemon restart too.
+    assert journal.load().hook_counter_totals()[key] == 53
+
+
+def test_journal_failure_rolls_back_and_nothing_is_lost(spool: Path, tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600)
+    p = Producer(spool)
+    p.append(p.hello(), p.event("a"))
+    journal.db.execute(
+        "CREATE TRIGGER fail BEFORE INSERT ON incidents BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+    )
+    with pytest.raises(Exception, match="disk full"):
+        reader.poll()
+    assert journal.scalar("SELECT count(*) FROM records") == 0
+    assert state.daemon.get(("spool_records", ()), 0) == 0
+    journal.db.execute("DROP TRIGGER fail")
+    reader.poll()
+    assert [i["request_id"] for i in journal.incidents()] == ["a"]
+    assert seqs(journal, p.name) == [1, 2]
+
+
+def test_privacy_the_journal_holds_no_prompt_text(
+    spool: Path, reader: SpoolReader, journal: Journal
+) -> None:
+    p = Producer(spool)
+    hello = p.hello()
+    smuggled = p.record("event", _event_fields("x"))
+    smuggled["prompt"] = "SECRET PROMPT TEXT"  # not in the schema, but JSON allows extra keys
+    p.append(hello, encode_frame(encode_payload(smuggled)))
+    reader.poll()
+    assert [i["request_id"] for i in journal.incidents()] == ["x"]
+    dump = "\n".join(journal.db.iterdump())
+    assert "SECRET" not in dump  # only the schema's fields are stored, never extra keys
+
+
+def _event_fields(request_id: str) -> dict[str, object]:
+    return {
+        "detector": "checksum",
+        "kind": "digest",
+        "mode": "log",
+        "action": "logged",
+        "request_id": request_id,
+        "pages": [3],
+        "pages_total": 1,
+        "detail": {},
+    }
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_single_damage_loses_only_the_damaged_record(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    """Flip, cut or splice anywhere in a segment: no crash, and every record not touched by the
+    damage is committed exactly once (the touched one is counted, never silently dropped)."""
+    root = tmp_path_factory.mktemp("fuzz")
+    spool = root / "spool"
+    spool.mkdir()
+    p = Producer(spool)
+    frames = [p.hello()] + [p.event(f"r{i}") for i in range(1, 12)]
+    blob = bytearray(b"".join(frames))
+    starts = [sum(len(f) for f in frames[:i]) for i in range(len(frames))]
+    action = data.draw(st.sampled_from(["flip", "cut", "junk"]))
+    at = data.draw(st.integers(0, len(blob) - 1))
+    if action == "flip":
+        blob[at] ^= data.draw(st.integers(1, 255))
+        touched = {max(i for i, s in enumerate(starts) if s <= at)}
+    elif action == "cut":
+        blob = blob[:at]
+        touched = {i for i, s in enumerate(starts) if s + len(frames[i]) > at}
+    else:
+        blob[at:at] = data.draw(st.binary(min_size=1, max_size=40))
+        touched = {i for i, s in enumerate(starts) if s < at < s + len(frames[i])}
+    p.append(bytes(blob))
+    journal = Journal(root / "j.db")
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=0.0)
+    reader.poll()
+    got = seqs(journal, p.name)
+    assert got == sorted(set(got))  # no duplicates, in order
+    expected = [i + 1 for i in range(len(frames)) if i not in touched]
+    assert got == expected, (action, at, touched)
+    if touched:
+        assert sum(rejected(state).values()) >= 1 or (action == "cut" and at in starts)
+    journal.close()
+
+
+def test_reject_messages_never_carry_record_values(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    p = Producer(spool)
+    hello = p.hello()
+    bad = p.record("event", _event_fields("x"))
+    bad["type"] = "SECRET PROMPT TEXT"
+    p.append(hello, encode_frame(encode_payload(bad)))
+    reader.poll()
+    assert rejected(state) == {"schema": 1}
+    message = journal.scalar("SELECT message FROM rejects")
+    assert "SECRET" not in message and "18 chars" in message
