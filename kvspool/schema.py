@@ -106,76 +106,102 @@ def encode_payload(record: dict[str, Any]) -> bytes:
     return json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _require(record: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    value = record.get(key)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise SchemaError("malformed", f"field {key!r} missing or not {kind}")
-    return value
+# Validation runs on every record the daemon reads, so it uses exact type() checks (which
+# also keep bools out of int fields) and no per-field helper calls on the common path.
 
 
-def _check_str(record: dict[str, Any], key: str) -> None:
-    value = _require(record, key, str)
-    if len(value) > MAX_STRING_CHARS:
-        raise SchemaError("malformed", f"field {key!r} longer than {MAX_STRING_CHARS}")
+def _malformed(message: str) -> SchemaError:
+    return SchemaError("malformed", message)
+
+
+def _check_strings(record: dict[str, Any], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = record.get(key)
+        if type(value) is not str or len(value) > MAX_STRING_CHARS:
+            raise _malformed(f"field {key!r} missing, not a string or too long")
 
 
 def _check_series(items: object, names: dict[str, tuple[str, ...]]) -> None:
-    if not isinstance(items, list):
-        raise SchemaError("malformed", "series list is not a list")
+    if type(items) is not list:
+        raise _malformed("series list is not a list")
     for item in items:
-        if not (isinstance(item, list) and len(item) == 3):
-            raise SchemaError("malformed", "series entry is not [name, labels, value]")
+        if type(item) is not list or len(item) != 3:
+            raise _malformed("series entry is not [name, labels, value]")
         name, labels, value = item
-        if name not in names:
-            raise SchemaError("malformed", f"unknown series {name!r}")
-        if not isinstance(labels, dict) or set(labels) != set(names[name]):
-            raise SchemaError("malformed", f"series {name!r} has wrong labels")
-        if not all(isinstance(v, str) and len(v) <= MAX_STRING_CHARS for v in labels.values()):
-            raise SchemaError("malformed", f"series {name!r} has a non-string label")
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise SchemaError("malformed", f"series {name!r} has a bad value")
+        label_names = names.get(name) if type(name) is str else None
+        if label_names is None:
+            raise _malformed(f"unknown series {name!r}")
+        if type(labels) is not dict or len(labels) != len(label_names):
+            raise _malformed(f"series {name!r} has wrong labels")
+        for label in label_names:
+            text = labels.get(label)
+            if type(text) is not str or len(text) > MAX_STRING_CHARS:
+                raise _malformed(f"series {name!r} has a missing or bad label {label!r}")
+        if type(value) not in (int, float) or value < 0:
+            raise _malformed(f"series {name!r} has a bad value")
+
+
+def _check_hello(record: dict[str, Any]) -> None:
+    _check_strings(record, ("engine", "engine_version", "role", "model"))
+    if type(record.get("rank")) is not int or type(record.get("pid")) is not int:
+        raise _malformed("hello needs integer rank and pid")
+
+
+def _check_counters(record: dict[str, Any]) -> None:
+    _check_series(record.get("counters"), COUNTER_LABELS)
+
+
+def _check_gauges(record: dict[str, Any]) -> None:
+    _check_series(record.get("gauges"), GAUGE_LABELS)
+
+
+def _check_event(record: dict[str, Any]) -> None:
+    _check_strings(record, ("detector", "kind", "mode", "action", "request_id"))
+    pages = record.get("pages")
+    if (
+        type(pages) is not list
+        or len(pages) > MAX_EVENT_PAGES
+        or not all(type(p) is int for p in pages)
+    ):
+        raise _malformed("pages must be at most MAX_EVENT_PAGES integers")
+    if type(record.get("pages_total")) is not int:
+        raise _malformed("pages_total must be an integer")
+    detail = record.get("detail", {})
+    if type(detail) is not dict or not all(type(v) in (int, str) for v in detail.values()):
+        raise _malformed("detail must map names to integers or strings")
+
+
+def _check_seal(record: dict[str, Any]) -> None:
+    _check_strings(record, ("next_segment",))
+
+
+_CHECKS = {
+    HELLO: _check_hello,
+    COUNTERS: _check_counters,
+    GAUGES: _check_gauges,
+    EVENT: _check_event,
+    SEAL: _check_seal,
+}
 
 
 def validate(record: object) -> dict[str, Any]:
     """Return ``record`` if it is a valid record of this schema, else raise :class:`SchemaError`."""
-    if not isinstance(record, dict):
-        raise SchemaError("malformed", "record is not a JSON object")
+    if type(record) is not dict:
+        raise _malformed("record is not a JSON object")
     version = record.get("v")
-    if version != SCHEMA_VERSION:
+    if version != SCHEMA_VERSION or type(version) is not int:
         raise SchemaError("schema", f"unknown schema version {version!r}")
-    kind = record.get("type")
-    if kind not in RECORD_TYPES:
-        raise SchemaError("schema", f"unknown record type {kind!r}")
-    _check_str(record, "producer")
-    seq = _require(record, "seq", int)
-    if seq < 1:
-        raise SchemaError("malformed", "seq must be >= 1")
-    _require(record, "ts", (int, float))
-    if kind == HELLO:
-        for key in ("engine", "engine_version", "role", "model"):
-            _check_str(record, key)
-        _require(record, "rank", int)
-        _require(record, "pid", int)
-    elif kind == COUNTERS:
-        _check_series(record.get("counters"), COUNTER_LABELS)
-    elif kind == GAUGES:
-        _check_series(record.get("gauges"), GAUGE_LABELS)
-    elif kind == EVENT:
-        for key in ("detector", "kind", "mode", "action", "request_id"):
-            _check_str(record, key)
-        pages = _require(record, "pages", list)
-        if len(pages) > MAX_EVENT_PAGES or not all(
-            isinstance(p, int) and not isinstance(p, bool) for p in pages
-        ):
-            raise SchemaError("malformed", "pages must be at most MAX_EVENT_PAGES integers")
-        _require(record, "pages_total", int)
-        detail = record.get("detail", {})
-        if not isinstance(detail, dict) or not all(
-            isinstance(v, int | str) and not isinstance(v, bool) for v in detail.values()
-        ):
-            raise SchemaError("malformed", "detail must map names to integers or strings")
-    elif kind == SEAL:
-        _check_str(record, "next_segment")
+    check = _CHECKS.get(record.get("type"))  # type: ignore[arg-type]
+    if check is None:
+        raise SchemaError("schema", f"unknown record type {record.get('type')!r}")
+    producer, seq = record.get("producer"), record.get("seq")
+    if type(producer) is not str or len(producer) > MAX_STRING_CHARS:
+        raise _malformed("field 'producer' missing, not a string or too long")
+    if type(seq) is not int or seq < 1:
+        raise _malformed("seq must be an integer >= 1")
+    if type(record.get("ts")) not in (int, float):
+        raise _malformed("ts must be a number")
+    check(record)
     return record
 
 
