@@ -18,17 +18,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m engine_hooks.walkthrough
 
-# Prometheus, Alertmanager (promtool, amtool) from Debian's packages: installed when missing and
-# running as root; otherwise a loud failure, never a silent skip.
+# Prometheus, Alertmanager (promtool, amtool) and Chromium (the status page test) from Debian's
+# packages: installed when missing and running as root; otherwise a loud failure, never a skip.
+DEBIAN_TOOLS := prometheus prometheus-alertmanager chromium
 tools:
 	@if command -v promtool >/dev/null && command -v amtool >/dev/null \
-	    && command -v prometheus-alertmanager >/dev/null; then :; \
+	    && command -v prometheus-alertmanager >/dev/null && command -v chromium >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-	        --no-install-recommends prometheus prometheus-alertmanager; \
+	        --no-install-recommends $(DEBIAN_TOOLS); \
 	else \
-	    echo "make test needs promtool, amtool and prometheus-alertmanager:" >&2; \
-	    echo "  sudo apt-get install -y --no-install-recommends prometheus prometheus-alertmanager" >&2; \
+	    echo "make test needs promtool, amtool, prometheus-alertmanager and chromium:" >&2; \
+	    echo "  sudo apt-get install -y --no-install-recommends $(DEBIAN_TOOLS)" >&2; \
 	    exit 1; \
 	fi
 

@@ -14,7 +14,7 @@ from types import FrameType
 from typing import Any, Final
 
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
@@ -25,6 +25,7 @@ from kvwatch.logwatch import LogWatcher
 from kvwatch.metrics import KvwatchCollector
 from kvwatch.nvml import Nvml
 from kvwatch.spool_reader import SpoolReader
+from kvwatch.statuspage import make_app, serve_wsgi
 
 #: How often old journal rows are pruned.
 PRUNE_SECONDS: Final = 600.0
@@ -68,7 +69,9 @@ class Daemon:
             if self.config.tls_client_ca_file:
                 tls["client_cafile"] = self.config.tls_client_ca_file
                 tls["client_auth_required"] = True
-        self.server, _thread = start_http_server(port, host, self.registry, **tls)
+        self.server = serve_wsgi(
+            host, port, make_app(make_wsgi_app(self.registry), self.state, self.config.journal), tls
+        )
         bound = self.server.server_address
         return str(bound[0]), int(bound[1])
 

@@ -216,34 +216,10 @@ class KvwatchCollector(Collector):
         yield errors
 
     def _engine_families(self) -> Iterator[Metric]:
-        state = self.state
-        latest: dict[LabelKey, tuple[float, dict[str, float]]] = {}
-        info: set[tuple[str, str, str, str]] = set()
-        for producer in state.producers.values():
-            if producer.retired:
-                continue
-            role = bound("role", producer.role)
-            engine = bound("engine", producer.engine)
-            model = state.models(producer.model)
-            info.add((engine, state.versions(producer.engine_version), role, model))
-            if producer.gauges:
-                key: LabelKey = (role, engine, model, state.ranks(producer.rank), "hooks")
-                if key not in latest or latest[key][0] <= producer.last_ts:
-                    latest[key] = (producer.last_ts, producer.gauges)
-        for source in state.logs.values():
-            role = bound("role", source.role)
-            engine = bound("engine", source.engine)
-            model = state.models(source.model)
-            if source.version:
-                info.add((engine, state.versions(source.version), role, model))
-            if source.gauges:
-                latest[(role, engine, model, state.ranks(source.rank), "log")] = (
-                    0.0,
-                    source.gauges,
-                )
+        latest, info = engine_views(self.state)
         for name, (family, text) in _ENGINE_GAUGES.items():
             metric = GaugeMetricFamily(family, text, labels=list(_ENGINE_LABELS))
-            for labels, (_, gauges) in sorted(latest.items()):
+            for labels, gauges in sorted(latest.items()):
                 if name in gauges:
                     metric.add_metric(list(labels), gauges[name])
             yield metric
@@ -253,7 +229,7 @@ class KvwatchCollector(Collector):
             " max(0, context - pool). Above 0, a rejected prompt can read other users' pages.",
             labels=list(_ENGINE_LABELS),
         )
-        for key, (_, gauges) in sorted(latest.items()):
+        for key, gauges in sorted(latest.items()):
             pool = gauges.get("kv_pool_tokens")
             context = gauges.get("context_length_tokens")
             if pool is not None and context is not None:
@@ -287,3 +263,36 @@ class KvwatchCollector(Collector):
 
 
 __all__ = ["COLLECTORS", "OTHER", "GpuSource", "KvwatchCollector"]
+
+
+def engine_views(
+    state: State,
+) -> tuple[dict[LabelKey, dict[str, float]], set[tuple[str, str, str, str]]]:
+    """The engines' pool/context gauges by (role, engine, model, rank, source), newest producer
+    first, and the (engine, version, role, model) rows of ``kvwatch_engine_info``."""
+    latest: dict[LabelKey, tuple[float, dict[str, float]]] = {}
+    info: set[tuple[str, str, str, str]] = set()
+    with state.lock:
+        for producer in state.producers.values():
+            if producer.retired:
+                continue
+            role = bound("role", producer.role)
+            engine = bound("engine", producer.engine)
+            model = state.models(producer.model)
+            info.add((engine, state.versions(producer.engine_version), role, model))
+            if producer.gauges:
+                key: LabelKey = (role, engine, model, state.ranks(producer.rank), "hooks")
+                if key not in latest or latest[key][0] <= producer.last_ts:
+                    latest[key] = (producer.last_ts, producer.gauges)
+        for source in state.logs.values():
+            role = bound("role", source.role)
+            engine = bound("engine", source.engine)
+            model = state.models(source.model)
+            if source.version:
+                info.add((engine, state.versions(source.version), role, model))
+            if source.gauges:
+                latest[(role, engine, model, state.ranks(source.rank), "log")] = (
+                    0.0,
+                    source.gauges,
+                )
+    return {key: gauges for key, (_, gauges) in latest.items()}, info
