@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean tools
+.PHONY: demo test lint typecheck unit bench clean tools sglang-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,7 +43,11 @@ typecheck: $(STAMP)
 unit: $(STAMP) tools
 	$(PY) -m pytest
 
-test: tools lint typecheck unit
+# SGLang 0.5.23 from PyPI (and 0.5.22, 0.5.19 overlays) in its own venv under build/, cached.
+sglang-test: $(STAMP)
+	bash tests/sglang/run.sh
+
+test: tools lint typecheck unit sglang-test
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py

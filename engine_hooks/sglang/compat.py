@@ -1,0 +1,113 @@
+"""Which SGLang is this, and does it have every hook point the plugin needs?
+
+The plugin checks every hook point before it registers anything. A missing *required* point
+(the allocator, the two admission doors, the abort call) means a release this plugin does not
+know: it refuses with one log line and registers nothing. A missing *optional* point (SGLang's
+own checksum and canary, which arrived in later releases) only leaves that feature out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+
+S = "sglang.srt."
+ALLOCATOR = S + "mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+POOLS = S + "mem_cache.memory_pool"
+PREFILL_QUEUE = S + "disaggregation.prefill.PrefillBootstrapQueue"
+DECODE_QUEUE = S + "disaggregation.decode.DecodePreallocQueue"
+DECODE_MIXIN = S + "disaggregation.decode.SchedulerDisaggregationDecodeMixin"
+BATCH_MIXIN = (
+    S + "disaggregation.decode_schedule_batch_mixin.ScheduleBatchDisaggregationDecodeMixin"
+)
+SCHEDULER = S + "managers.scheduler.Scheduler"
+REQ = S + "managers.schedule_batch.Req"
+CANARY_REPORTER = S + "kv_canary.runner.violation_reporter"
+
+#: Points the plugin cannot work without. Classes and methods checked, some not hooked.
+REQUIRED = (
+    ALLOCATOR + ".__init__",
+    ALLOCATOR + ".alloc",
+    ALLOCATOR + ".alloc_extend",
+    ALLOCATOR + ".alloc_decode",
+    ALLOCATOR + "._release_page_ids",
+    ALLOCATOR + ".clear",
+    POOLS + ".MHATokenToKVPool",
+    POOLS + ".MLATokenToKVPool",
+    PREFILL_QUEUE + ".add",
+    DECODE_QUEUE + ".add",
+    REQ + ".set_finish_with_abort",
+    REQ + ".finished",
+)
+
+#: Points that add a feature where the release has them.
+OPTIONAL = (
+    SCHEDULER + ".__init__",  # engine info, pool versus context
+    SCHEDULER + ".process_batch_result",  # decode step check, deferred device results
+    DECODE_QUEUE + "._pre_alloc",  # decode reserves a request's pages
+    BATCH_MIXIN + ".process_prebuilt",  # decode admits: verify before the KV is read
+    DECODE_MIXIN + "._verify_kv_checksums",  # SGLang's own checksum (v0.5.21+)
+    DECODE_MIXIN + "._handle_kv_checksum_mismatch",
+    CANARY_REPORTER + "._format_violation",  # SGLang's own kv-canary (v0.5.22+)
+)
+
+
+def sglang_version() -> str:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    parts: list[int] = []
+    for piece in version.split("+", maxsplit=1)[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def exists(target: str) -> bool:
+    """True when ``module.path.Class.attr`` (or ``module.path.attr``) resolves."""
+    parts = target.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        except Exception:  # a module that fails to import for another reason
+            return False
+        for name in parts[split:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    version: str
+    missing_required: tuple[str, ...]
+    present_optional: tuple[str, ...]
+    missing_optional: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.version) and not self.missing_required
+
+
+def check() -> Support:
+    version = sglang_version()
+    if not version:
+        return Support("", ("sglang (not installed)",), (), OPTIONAL)
+    missing = tuple(t for t in REQUIRED if not exists(t))
+    present = tuple(t for t in OPTIONAL if exists(t))
+    return Support(version, missing, present, tuple(t for t in OPTIONAL if t not in present))
+
+
+def short(target: str) -> str:
+    return target.removeprefix(S)

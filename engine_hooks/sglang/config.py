@@ -1,0 +1,60 @@
+"""The plugin's settings, read once per process from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from engine_hooks.detectors import Mode
+from engine_hooks.spool import DEFAULT_SPOOL_DIR
+
+#: Detector names a per-detector override may name: ``KVWATCH_MODE_CANARY=enforce``.
+DETECTORS = ("canary", "checksum", "page_tag", "admission")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    mode: Mode
+    detector_modes: dict[str, Mode]
+    spool: str
+    flush_interval: float
+    step_check: bool
+    role: str
+
+    @property
+    def off(self) -> bool:
+        return self.mode is Mode.OFF and all(m is Mode.OFF for m in self.detector_modes.values())
+
+    def modes(self) -> dict[str, Mode | str]:
+        out: dict[str, Mode | str] = {"default": self.mode}
+        out.update(self.detector_modes)
+        return out
+
+
+def _mode(text: str, default: Mode) -> Mode:
+    try:
+        return Mode(text.strip().lower())
+    except ValueError:
+        return default
+
+
+def from_env(environ: dict[str, str] | None = None) -> Settings:
+    env = dict(os.environ if environ is None else environ)
+    mode = _mode(env.get("KVWATCH_MODE", "log"), Mode.LOG)
+    per = {
+        name: _mode(env[f"KVWATCH_MODE_{name.upper()}"], mode)
+        for name in DETECTORS
+        if f"KVWATCH_MODE_{name.upper()}" in env
+    }
+    try:
+        interval = max(0.1, float(env.get("KVWATCH_FLUSH_INTERVAL", "1.0")))
+    except ValueError:
+        interval = 1.0
+    return Settings(
+        mode=mode,
+        detector_modes=per,
+        spool=env.get("KVWATCH_SPOOL", DEFAULT_SPOOL_DIR),
+        flush_interval=interval,
+        step_check=env.get("KVWATCH_STEP_CHECK", "1").strip() not in ("0", "false", "no", "off"),
+        role=env.get("KVWATCH_ROLE", ""),
+    )

@@ -1,0 +1,245 @@
+"""Hooks on PD disaggregation: the two admission doors, decode's reserve, admit and steps.
+
+- ``PrefillBootstrapQueue.add`` / ``DecodePreallocQueue.add`` (AROUND): an aborted request
+  (``to_finish`` set, ``finished()`` False) that passes the door is recorded; in enforce mode,
+  on a release that would admit it, it is retired at the door instead.
+- ``DecodePreallocQueue._pre_alloc`` (AFTER): decode reserved the request's pages: stamp them
+  with reserved canaries and keep a ticket (page ids and generations).
+- ``process_prebuilt`` (BEFORE): decode admits: every reserved page must have been written and
+  still carry the request's generation. Enforce mode fails the request (HTTP 500).
+- ``Scheduler.process_batch_result`` (AFTER): per decode step, the running requests' pages
+  still carry their generations; deferred device results are read here, where SGLang has
+  already synchronised on the step's output.
+
+Page tags are not carried over the transfer (SGLang's metadata has no field for them), so on
+decode the tag check is generation-only: it catches a page reallocated under a live request.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from engine_hooks.detectors import Mode, Verdict
+from engine_hooks.sglang.guard import failed, safe
+from engine_hooks.sglang.report import log_verdicts
+from engine_hooks.sglang.runtime import runtime
+from engine_hooks.watch import KVWatch, Ticket
+
+logger = logging.getLogger("kvwatch.sglang")
+
+ENFORCE_MESSAGE = "kvwatch: KV cache integrity check failed; request not served"
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def _abort_state(req: Any) -> tuple[bool, bool]:
+    """(aborted, finished) for a request at a door. Aborted means ``to_finish`` is set on a
+    request entering for the first time; a retracted or resumed one that still holds KV is
+    released by its queue (SGLang's own ``is_unadmitted_reject`` where the release has it)."""
+    finished = bool(req.finished())
+    if getattr(req, "to_finish", None) is None:
+        return False, finished
+    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+    fresh = getattr(utils, "is_unadmitted_reject", None)
+    if callable(fresh):
+        return bool(fresh(req)), finished
+    return not getattr(req, "is_retracted", False), finished
+
+
+def _retire(queue: Any, req: Any) -> bool:
+    """Retire an aborted request at the door of a release that would admit it: deliver the
+    abort already in ``to_finish`` through the output path, as the fixed releases do."""
+    scheduler = getattr(queue, "scheduler", None)
+    stream = getattr(getattr(scheduler, "output_streamer", None), "stream_output", None)
+    stream = stream or getattr(scheduler, "stream_output", None)
+    if not callable(stream):
+        return False
+    req.finished_reason, req.to_finish = req.to_finish, None
+    stream([req], req.return_logprob)
+    return True
+
+
+def _admission(
+    queue_name: str, reentry: bool, original: Any, queue: Any, req: Any, *a: Any, **k: Any
+) -> Any:
+    watch: KVWatch | None = None
+    aborted = finished = False
+    try:
+        if not reentry:
+            watch = runtime().engine_watch()
+            aborted, finished = _abort_state(req)
+            enforce = watch.admission.mode is Mode.ENFORCE
+            if aborted and not finished and enforce and not _fixed_release(queue):
+                verdict = watch.on_admission(str(req.rid), queue_name, aborted=True, finished=False)
+                log_verdicts([verdict])
+                watch = None  # recorded once, here, whether or not the retire below works
+                if _retire(queue, req):
+                    return None
+    except Exception as error:
+        failed("admission", error)
+    result = original(queue, req, *a, **k)
+    if watch is None:
+        return result
+    try:
+        admitted = not req.finished()
+        verdict = watch.on_admission(
+            str(req.rid), queue_name, aborted=aborted, finished=finished or not admitted
+        )
+        log_verdicts([verdict])
+    except Exception as error:
+        failed("admission", error)
+    return result
+
+
+def _fixed_release(queue: Any) -> bool:
+    """v0.5.21+ retire an aborted request at both doors themselves."""
+    scheduler = getattr(queue, "scheduler", None)
+    return callable(getattr(scheduler, "retire_unadmitted_request", None))
+
+
+def around_prefill_add(original: Any, queue: Any, req: Any, *a: Any, **k: Any) -> Any:
+    return _admission("prefill_bootstrap", False, original, queue, req, *a, **k)
+
+
+def around_decode_add(original: Any, queue: Any, req: Any, *a: Any, **k: Any) -> Any:
+    # Re-entries (retraction, rebootstrap) hold resources their queue releases: not our door.
+    reentry = bool(k.get("is_retracted") or k.get("is_rebootstrap") or any(a[:2]))
+    return _admission("decode_prealloc", reentry, original, queue, req, *a, **k)
+
+
+# -- decode: reserve, admit, step -----------------------------------------------------------------
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
+
+
+def _fake_transfer(req: Any) -> bool:
+    """Warm-up and health-check requests use SGLang's fake transfer: nothing writes their pages.
+    When the release cannot tell us, the request is not verified (no false alarms)."""
+    decode = importlib.import_module("sglang.srt.disaggregation.decode")
+    try:
+        for name in ("_is_fake_transfer", "is_health_check_req"):
+            check = getattr(decode, name, None)
+            if callable(check) and check(req):
+                return True
+    except Exception:
+        return True
+    return False
+
+
+@safe("reserve")
+def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """Decode reserved pages for a request that prefill will write: stamp them, keep a ticket."""
+    if result is None or getattr(getattr(queue, "scheduler", None), "enable_hisparse", False):
+        return
+    allocator = queue.token_to_kv_pool_allocator
+    rt = runtime()
+    watch = rt.watch_for(allocator)
+    if watch is None or watch.pool is None:
+        # Not a paged allocator (page size 1) or an unsupported pool layout: say so in coverage.
+        coverage = watch or rt.engine_watch()
+        for detector in ("canary", "page_tag"):
+            coverage.stats.skipped(detector, "no_pool")
+        return
+    if _fake_transfer(req):
+        return
+    page_size = int(allocator.page_size)
+    prefix = _arg(args, kwargs, 2, "total_prefix_len")
+    if prefix is None:
+        prefix = _arg(args, kwargs, 1, "prefix_len") or 0
+    if int(prefix) % page_size:
+        watch.stats.skipped("canary", "unsupported_layout")
+        return
+    pages = result[::page_size] // page_size
+    ticket = watch.on_reserve(str(req.rid), pages)
+    if ticket is None:
+        return
+    # Tags do not travel with SGLang's transfer: the reservation stands for the writer.
+    if watch.state is not None:
+        watch.state.own_writes(ticket.pages)
+    rt.keep_ticket(watch, ticket)
+
+
+def _verify_deferred(watch: KVWatch, ticket: Ticket) -> None:
+    """verify_admit without a device sync: the compares queue up until the next ``resolve()``.
+
+    Uses KVWatch internals; a ``verify_admit(..., defer=True)`` in the public API would be cleaner.
+    """
+    assert watch.canary is not None and watch.tags is not None
+    findings = []
+    if not watch.canary.usable:
+        watch.stats.skipped("canary", "unsupported_layout")
+    elif watch.canary.active():
+        findings.append(watch.canary.check_reserved(ticket.request_id, ticket.pages, ticket.tags))
+        watch.stats.verified("canary")
+    if watch.tags.active():
+        owners = [(ticket.request_id, ticket.page_count)]
+        findings.append(watch.tags.compare(owners, ticket.pages, ticket.tags))
+        watch.stats.verified("page_tag")
+    watch.stats.skipped("checksum", "no_seal")
+    watch._pending.extend(findings)
+
+
+def _enforce(req: Any, verdicts: list[Verdict]) -> None:
+    if not any(v.blocks for v in verdicts):
+        return
+    finish_abort = importlib.import_module("sglang.srt.managers.schedule_batch").FINISH_ABORT
+    # As SGLang's own grammar failure in process_prebuilt: the batch result path releases it.
+    req.to_finish = finish_abort(
+        ENFORCE_MESSAGE, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError"
+    )
+
+
+@safe("verify")
+def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
+    """Decode admits the transferred requests: verify their pages before anything reads them."""
+    rt = runtime()
+    for req in list(batch.reqs):
+        held = rt.ticket(str(req.rid))
+        if held is None:
+            continue
+        watch, ticket = held
+        pool = watch.pool
+        on_device = pool is not None and not pool.is_cpu
+        if on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):
+            _verify_deferred(watch, ticket)
+            continue
+        verdicts = watch.verify_admit(ticket, None)
+        log_verdicts(verdicts)
+        _enforce(req, verdicts)
+
+
+def check_steps(reqs: list[Any]) -> None:
+    """Per decode step: the running requests' pages still carry their generations (one
+    vectorised compare per pool; on a device, read at the next ``resolve()``)."""
+    rt = runtime()
+    batches: dict[int, tuple[KVWatch, list[Ticket]]] = {}
+    for req in reqs:
+        rid = str(req.rid)
+        if req.finished():
+            rt.drop_ticket(rid)
+            continue
+        held = rt.ticket(rid)
+        if held is not None:
+            watch, ticket = held
+            batches.setdefault(id(watch), (watch, []))[1].append(ticket)
+    for watch, tickets in batches.values():
+        log_verdicts(watch.check_batch(tickets))
+
+
+@safe("step")
+def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *a: Any, **k: Any) -> None:
+    rt = runtime()
+    mode = getattr(batch, "forward_mode", None)
+    is_decode = getattr(mode, "is_decode", None)
+    if rt.settings.step_check and rt.tickets and callable(is_decode) and is_decode():
+        check_steps(list(batch.reqs))
+    for watch in list(rt.all_watches):
+        log_verdicts(watch.resolve())

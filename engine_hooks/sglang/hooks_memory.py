@@ -1,0 +1,111 @@
+"""Hooks on ``PagedTokenToKVPoolAllocator``: page tags and free-page canaries.
+
+Every allocation path (``alloc``, ``alloc_extend``, ``alloc_decode``) takes pages from the front
+of ``free_pages``; every free path ends in ``_release_page_ids``. The pages an allocation took
+are read from the free list's storage (the new list is a slice of the old one, or of the merged
+and sorted one), so no hook inspects token indices or synchronises the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine_hooks.sglang.guard import failed, safe
+from engine_hooks.sglang.report import log_verdicts
+from engine_hooks.sglang.runtime import describe_pool, runtime
+from engine_hooks.watch import KVWatch
+
+
+def free_page_ids(allocator: Any) -> torch.Tensor:
+    """Every page the allocator holds free: the free list plus pages staged for a merge."""
+    parts = [allocator.free_pages]
+    staged = getattr(allocator, "staged_pages", None)  # v0.5.22+: a list of tensors
+    if isinstance(staged, list):
+        parts.extend(staged)
+    released = getattr(allocator, "release_pages", None)  # v0.5.19: one tensor
+    if isinstance(released, torch.Tensor):
+        parts.append(released)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def taken_pages(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """The page ids an allocation removed from the front of the free list.
+
+    ``after`` is ``base[n:]`` where ``base`` is ``before`` or, when the allocator merged its staged
+    pages first, a fresh sorted tensor: either way the taken ids sit just before ``after`` in the
+    same storage. Pure metadata arithmetic, no device access.
+    """
+    same = after.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
+    start = before.storage_offset() if same else 0
+    count = after.storage_offset() - start
+    if count <= 0:
+        return after[:0]
+    return after.as_strided((count,), (1,), start)
+
+
+def _stamp_all_free(watch: KVWatch, allocator: Any) -> None:
+    """The whole free list at once (start-up, ``clear()``): forget old free marks, stamp."""
+    if watch.state is None or watch.pool is None:
+        return
+    watch.state.set_free(watch.state.index(range(watch.pool.num_pages)), False)
+    log_verdicts(watch.on_free(free_page_ids(allocator)))
+
+
+@safe("startup")
+def after_init(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
+    """A paged allocator was built: describe its KV cache, start a watch, stamp the free pages."""
+    rt = runtime()
+    kvcache = getattr(allocator, "_kvcache", None)
+    pool, reason = describe_pool(kvcache, int(allocator.page_size))
+    if pool is not None and pool.num_pages < int(allocator.num_pages) + 1:
+        pool, reason = None, "unsupported_layout"
+    watch = rt.new_watch(pool)
+    rt.watches[allocator] = watch
+    if pool is None:
+        for detector in ("canary", "page_tag"):
+            watch.stats.skipped(detector, reason or "no_pool")
+        return
+    _stamp_all_free(watch, allocator)
+
+
+@safe("free")
+def after_clear(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
+    """``clear()`` (cache flush) put every page back on the free list at once."""
+    watch = runtime().watch_for(allocator)
+    if watch is not None and watch.pool is not None:
+        _stamp_all_free(watch, allocator)
+
+
+def around_alloc(original: Any, allocator: Any, *args: Any, **kwargs: Any) -> Any:
+    """``alloc``, ``alloc_extend``, ``alloc_decode``: check free canaries, bump tags."""
+    watch = None
+    before = None
+    try:
+        watch = runtime().watch_for(allocator)
+        if watch is not None and watch.pool is not None:
+            before = allocator.free_pages
+    except Exception as error:
+        failed("alloc", error)
+    result = original(allocator, *args, **kwargs)
+    if watch is None or before is None or result is None:
+        return result
+    try:
+        taken = taken_pages(before, allocator.free_pages)
+        if taken.numel():
+            log_verdicts(watch.on_alloc(taken))
+    except Exception as error:
+        failed("alloc", error)
+    return result
+
+
+@safe("free")
+def before_release(allocator: Any, *page_ids: Any, **kwargs: Any) -> None:
+    """``_release_page_ids``: every free path ends here. Stamp canaries, catch double frees."""
+    watch = runtime().watch_for(allocator)
+    if watch is None or watch.pool is None or not page_ids:
+        return
+    pages = torch.cat(page_ids) if len(page_ids) > 1 else page_ids[0]
+    if pages.numel():
+        log_verdicts(watch.on_free(pages))

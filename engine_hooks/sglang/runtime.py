@@ -1,0 +1,166 @@
+"""Per-process state of the plugin: who this process is, its watches, its decode tickets.
+
+One SGLang scheduler process serves one role (prefill, decode or unified) on one rank and owns
+one KV pool allocator (more with speculative decoding). Each allocator gets its own
+:class:`~engine_hooks.KVWatch` (one spool producer); admission and harvested engine detectors
+report through the process's first watch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine_hooks.pool import Layout, PagedKVPool
+from engine_hooks.sglang.config import Settings, from_env
+from engine_hooks.spool import SpoolWriter
+from engine_hooks.watch import KVWatch, Ticket
+
+logger = logging.getLogger("kvwatch.sglang")
+
+#: Decode tickets kept per process at most (oldest dropped first): a request whose end we miss
+#: must not grow memory without bound.
+MAX_TICKETS = 65536
+
+
+@dataclass(slots=True)
+class Context:
+    """What the scheduler tells us about this process, before its pool is built."""
+
+    role: str = "unified"
+    model: str = ""
+    rank: int = 0
+    version: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Runtime:
+    """The plugin's state in one process. Created by :func:`runtime`; reset by tests."""
+
+    def __init__(self, settings: Settings, version: str) -> None:
+        self.settings = settings
+        self.context = Context(role=settings.role or "unified", version=version)
+        self.watches: weakref.WeakKeyDictionary[Any, KVWatch] = weakref.WeakKeyDictionary()
+        self.all_watches: list[KVWatch] = []
+        self.tickets: OrderedDict[str, tuple[KVWatch, Ticket]] = OrderedDict()
+        self.hook_errors = 0
+        self._lock = threading.Lock()
+
+    # -- watches -------------------------------------------------------------------------------
+
+    def new_watch(self, pool: PagedKVPool | None) -> KVWatch:
+        ctx = self.context
+        spool = SpoolWriter(
+            self.settings.spool,
+            engine="sglang",
+            role=ctx.role,
+            model=ctx.model,
+            engine_version=ctx.version,
+            rank=ctx.rank,
+        )
+        # Extra identity fields ride on the hello record (the schema checks only its own keys).
+        spool.identity.update({k: v for k, v in ctx.extra.items() if k not in spool.identity})
+        watch = KVWatch(
+            pool,
+            role=ctx.role,
+            engine="sglang",
+            engine_version=ctx.version,
+            model=ctx.model,
+            rank=ctx.rank,
+            mode=self.settings.modes(),
+            spool=spool,
+            flush_interval=self.settings.flush_interval,
+        )
+        with self._lock:
+            self.all_watches.append(watch)
+        return watch
+
+    def watch_for(self, allocator: Any) -> KVWatch | None:
+        return self.watches.get(allocator)
+
+    def engine_watch(self) -> KVWatch:
+        """The watch that admission and harvested engine detectors report through."""
+        if self.all_watches:
+            return self.all_watches[0]
+        return self.new_watch(None)  # joins all_watches: later calls reuse it
+
+    # -- decode tickets ------------------------------------------------------------------------
+
+    def keep_ticket(self, watch: KVWatch, ticket: Ticket) -> None:
+        with self._lock:
+            self.tickets[ticket.request_id] = (watch, ticket)
+            self.tickets.move_to_end(ticket.request_id)
+            while len(self.tickets) > MAX_TICKETS:
+                self.tickets.popitem(last=False)
+
+    def ticket(self, request_id: str) -> tuple[KVWatch, Ticket] | None:
+        return self.tickets.get(request_id)
+
+    def drop_ticket(self, request_id: str) -> None:
+        with self._lock:
+            self.tickets.pop(request_id, None)
+
+    def close(self) -> None:
+        for watch in list(self.all_watches):
+            watch.close()
+
+
+_RUNTIME: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    global _RUNTIME
+    if _RUNTIME is None:
+        from engine_hooks.sglang.compat import sglang_version
+
+        _RUNTIME = Runtime(from_env(), sglang_version())
+    return _RUNTIME
+
+
+def reset(settings: Settings | None = None, version: str | None = None) -> Runtime:
+    """Start over with fresh state (tests; a forked process). Closes the old watches."""
+    global _RUNTIME
+    if _RUNTIME is not None:
+        _RUNTIME.close()
+    from engine_hooks.sglang.compat import sglang_version
+
+    _RUNTIME = Runtime(settings or from_env(), version or sglang_version())
+    return _RUNTIME
+
+
+# -- describing SGLang's pools to the hooks --------------------------------------------------
+
+
+def describe_pool(kvcache: Any, page_size: int) -> tuple[PagedKVPool | None, str]:
+    """The allocator's KV cache as a :class:`PagedKVPool`, or ``(None, reason)``.
+
+    MHA (``MHATokenToKVPool``: ``k_buffer`` then ``v_buffer``, one ``[slots, heads, dim]`` tensor
+    per layer) and MLA (``MLATokenToKVPool``: ``kv_buffer``, ``[slots, 1, dim]`` per layer) in the
+    default token-major layout. fp8 pools store uint8; ``dtype`` is the logical type.
+    """
+    layout = getattr(kvcache, "kv_cache_layout", "nhd")
+    if getattr(kvcache, "use_hnd", False) or layout not in ("nhd", None):
+        return None, "unsupported_layout"
+    buffers: list[torch.Tensor] | None = None
+    k, v = getattr(kvcache, "k_buffer", None), getattr(kvcache, "v_buffer", None)
+    if isinstance(k, list | tuple) and isinstance(v, list | tuple) and k:
+        buffers = [*k, *v]
+    else:
+        kv = getattr(kvcache, "kv_buffer", None)
+        if isinstance(kv, list | tuple) and kv:
+            buffers = list(kv)
+    if not buffers or not all(isinstance(b, torch.Tensor) for b in buffers):
+        return None, "unsupported_layout"
+    kv_dtype = getattr(kvcache, "dtype", None)
+    if not isinstance(kv_dtype, torch.dtype) or buffers[0].dtype != torch.uint8:
+        kv_dtype = None
+    try:
+        return PagedKVPool(buffers, page_size, layout=Layout.TOKENS, kv_dtype=kv_dtype), ""
+    except (ValueError, RuntimeError, TypeError):
+        return None, "unsupported_layout"

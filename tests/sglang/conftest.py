@@ -1,0 +1,73 @@
+"""The SGLang stage: tests against the real SGLang release, run in build/sglang-venv.
+
+``tests/sglang/setup_env.sh`` builds that environment; run the stage with
+``KVWATCH_SGLANG_STAGE=1 build/sglang-venv/bin/python -m pytest tests/sglang``. The main test
+run (``.venv``, no SGLang) does not collect these tests. Inside the SGLang stage a missing SGLang
+is an error, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+collect_ignore = ["stubs"]
+
+if importlib.util.find_spec("sglang") is None:
+    if os.environ.get("KVWATCH_SGLANG_STAGE") == "1":
+        raise RuntimeError(
+            "KVWATCH_SGLANG_STAGE=1 but sglang is not importable: run tests/sglang/setup_env.sh "
+            "and use build/sglang-venv/bin/python"
+        )
+    collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture(scope="session")
+def sglang_plugins(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """SGLang's own ``load_plugins()``, once per session, finding kvwatch by its entry point."""
+    os.environ["SGLANG_PLUGINS"] = "kvwatch"
+    os.environ["KVWATCH_SPOOL"] = str(tmp_path_factory.mktemp("session-spool"))
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from sglang.srt.runtime_context import get_parallel
+
+    # This process is rank 0 of a one-rank group (what SGLang's launcher would publish).
+    parallel = get_parallel()
+    with contextlib.ExitStack() as stack:
+        if hasattr(type(parallel), "override_permanently"):
+            parallel.override_permanently(tp_rank=0)
+        else:  # v0.5.19: only the scoped override
+            stack.enter_context(parallel.override(tp_rank=0))
+        from sglang.srt import plugins
+
+        plugins.load_plugins()
+        yield plugins
+
+
+@pytest.fixture
+def kv(sglang_plugins: Any, tmp_path: Path) -> Iterator[Any]:
+    """A fresh kvwatch runtime (log mode) spooling to this test's own directory."""
+    from engine_hooks.sglang import runtime
+    from engine_hooks.sglang.config import from_env
+
+    settings = from_env({"KVWATCH_MODE": "log", "KVWATCH_SPOOL": str(tmp_path / "spool")})
+    rt = runtime.reset(settings)
+    yield rt
+    rt.close()
+
+
+@pytest.fixture
+def kv_enforce(sglang_plugins: Any, tmp_path: Path) -> Iterator[Any]:
+    from engine_hooks.sglang import runtime
+    from engine_hooks.sglang.config import from_env
+
+    env = {"KVWATCH_MODE": "enforce", "KVWATCH_SPOOL": str(tmp_path / "spool")}
+    rt = runtime.reset(from_env(env))
+    yield rt
+    rt.close()

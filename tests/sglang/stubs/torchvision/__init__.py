@@ -1,0 +1,12 @@
+"""Test-only stand-in for ``torchvision``: see ``torchvision/_standin.py``."""
+
+from typing import Any
+
+from torchvision._standin import placeholder
+
+
+def __getattr__(name: str) -> Any:
+    return placeholder(__name__, name)
+
+
+__version__ = "0.0.0+kvwatch.standin"

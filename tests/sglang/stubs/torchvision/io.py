@@ -1,0 +1,9 @@
+"""Test-only stand-in for ``torchvision.io``: see ``torchvision/_standin.py``."""
+
+from typing import Any
+
+from torchvision._standin import placeholder
+
+
+def __getattr__(name: str) -> Any:
+    return placeholder(__name__, name)
