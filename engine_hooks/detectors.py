@@ -175,10 +175,10 @@ class PageTags(Detector):
         bad = self.state.stale(pages, expected)
         return Finding(self.name, "stale_tag", owners, pages, bad, self.mode)
 
-    def freed(self, pages: Ints) -> Finding:
+    def freed(self, pages: Ints, request_id: str = "") -> Finding:
         """Pages returning to the free list; one that is already free was freed twice."""
         twice = self.state.set_free(pages, True)
-        return Finding.single(self.name, "double_free", "", pages, twice, self.mode)
+        return Finding.single(self.name, "double_free", request_id, pages, twice, self.mode)
 
 
 class Canary(Detector):

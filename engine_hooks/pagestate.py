@@ -104,7 +104,9 @@ class DevicePages:
 class HostPages:
     def __init__(self, pool: PagedKVPool) -> None:
         self.pool = pool
-        self.generation = [0] * pool.num_pages
+        # Tensors for batch checks, with int views of the same memory for per-page work.
+        self.generation_t = torch.zeros(pool.num_pages, dtype=torch.int64)
+        self.generation = tensor_buffer(self.generation_t).cast("q")
         self.written = tensor_buffer(pool.tag_store).cast("q")
         self.free = bytearray(pool.num_pages)
         self.stamp_view = tensor_buffer(pool.page_views[0])
@@ -137,7 +139,12 @@ class HostPages:
         for p in self._ints(pages):
             self.written[p] = self.generation[p]
 
-    def stale(self, pages: Ints, expected: Ints) -> list[bool]:
+    def stale(self, pages: Ints, expected: Ints) -> Mask:
+        if isinstance(pages, torch.Tensor):  # a whole decode batch: vectorised
+            want = torch.as_tensor(expected)
+            return (self.generation_t.index_select(0, pages) != want) | (
+                self.pool.tag_store.index_select(0, pages) != want
+            )
         gen, written = self.generation, self.written
         return [
             gen[p] != e or written[p] != e

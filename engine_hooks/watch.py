@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
+import torch
+
 from engine_hooks.canary import Purpose
 from engine_hooks.detectors import (
     Admission,
@@ -56,6 +58,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 DETECTOR_NAMES = ("canary", "checksum", "page_tag", "admission")
+# From this many pages on, a host-memory batch check is cheaper as tensor ops than in Python.
+_VECTOR_PAGES = 96
 
 
 @dataclass(slots=True)
@@ -65,10 +69,20 @@ class Ticket:
     request_id: str
     pages: Ints
     tags: Ints
+    # The same as tensors, built once and reused by every decode step's batch check.
+    _as_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def page_count(self) -> int:
         return len(self.pages)
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._as_tensors is None:
+            self._as_tensors = (
+                torch.as_tensor(self.pages, dtype=torch.int64, device=device),
+                torch.as_tensor(self.tags, dtype=torch.int64, device=device),
+            )
+        return self._as_tensors
 
 
 def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
@@ -198,12 +212,12 @@ class KVWatch:
         return self._settle(findings)
 
     @_hook("free", list)
-    def on_free(self, pages: PageIds) -> list[Verdict]:
+    def on_free(self, pages: PageIds, request_id: str = "") -> list[Verdict]:
         """Pages return to the free list: catch a double free, stamp free canaries."""
         if self.state is None or self.tags is None or self.canary is None:
             return []
         index = self.state.index(pages)
-        double_free = self.tags.freed(index)
+        double_free = self.tags.freed(index, request_id)
         findings = [double_free] if self.tags.active() else []
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, self.state.generations(index), Purpose.FREE)
@@ -230,6 +244,7 @@ class KVWatch:
         self.state.own_writes(index)
         ticket.pages = self.state.concat([ticket.pages, index])
         ticket.tags = self.state.concat([ticket.tags, self.state.generations(index)])
+        ticket._as_tensors = None
 
     @_hook("seal", lambda: None)
     def seal(self, request_id: str, pages: PageIds) -> Seal | None:
@@ -284,8 +299,14 @@ class KVWatch:
             return []
         self.stats.verified("page_tag", len(tickets))
         owners = [(t.request_id, t.page_count) for t in tickets]
-        pages = self.state.concat([t.pages for t in tickets])
-        expected = self.state.concat([t.tags for t in tickets])
+        if self._on_device or sum(count for _, count in owners) >= _VECTOR_PAGES:
+            assert self.pool is not None
+            pairs = [t.tensors(self.pool.device) for t in tickets]
+            pages: Ints = torch.cat([p for p, _ in pairs])
+            expected: Ints = torch.cat([e for _, e in pairs])
+        else:
+            pages = self.state.concat([t.pages for t in tickets])
+            expected = self.state.concat([t.tags for t in tickets])
         return self._settle([self.tags.compare(owners, pages, expected)])
 
     @_hook("admission", lambda: Verdict("admission", ""))

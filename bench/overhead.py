@@ -1,0 +1,203 @@
+"""kvwatch's cost inside minipd: the same seeded workload with ``--kvwatch off``, ``log`` and
+``enforce``, in one run, as ratios to ``off``.
+
+Run: ``python bench/overhead.py [--requests N] [--concurrency C] [--rounds R]``.
+
+Prints, per mode, end-to-end throughput (generated tokens/s and prompt+generated tokens/s
+through the router) and decode step time (the mean step, and the time inside steps per
+generated token, which does not depend on how requests happened to batch; both include the
+per-step page-tag check of the whole batch and page allocations inside steps), each as a ratio
+to ``off``. Wall-clock ratios swing by 10-20% on a machine that other work shares, so it
+also prints two direct measures: the share of decode step CPU time spent in the per-step hooks
+(page tags of the batch, canary and tag bump of pages allocated in a step), and all hooks'
+own time in both workers (kvwatch's ``hook_seconds``, wall time inside the hooks, so an upper
+bound: it includes waits for the GIL) per generated token, as a share of the CPU per token that
+``off`` needs.
+Modes are interleaved over ``--rounds`` rounds and each figure is the median over rounds, so
+drift on a shared machine hits all modes alike. Targets (issue 3): all detectors at most 3% of
+end-to-end throughput; page tags plus canaries at most 1% of decode step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from minipd.launch import generate, get, start, stop
+
+MODES = ("off", "log", "enforce")
+
+
+@dataclass
+class Run:
+    wall: float
+    generated: int
+    prompt: int
+    step_seconds: float
+    steps: int
+    step_hook_seconds: float
+    step_cpu_seconds: float
+    step_hook_cpu_seconds: float
+    cpu_seconds: float  # all three processes
+    hook_seconds: float  # every hook in prefill and decode (kvwatch's own hook_seconds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.wall
+
+    @property
+    def all_tokens_per_s(self) -> float:
+        return (self.generated + self.prompt) / self.wall
+
+    @property
+    def step_ms(self) -> float:
+        return 1000 * self.step_seconds / max(1, self.steps)
+
+    @property
+    def decode_us_per_token(self) -> float:
+        """All time inside decode steps over the tokens they made: the same work in every mode
+        (each token is one attention over its context), however the batches fell."""
+        return 1e6 * self.step_seconds / max(1, self.generated)
+
+    @property
+    def hook_share(self) -> float:
+        return self.step_hook_cpu_seconds / max(1e-12, self.step_cpu_seconds)
+
+    @property
+    def hook_us_per_token(self) -> float:
+        return 1e6 * self.hook_seconds / max(1, self.generated)
+
+    @property
+    def step_cpu_ms(self) -> float:
+        return 1000 * self.step_cpu_seconds / max(1, self.steps)
+
+    @property
+    def cpu_us_per_token(self) -> float:
+        """CPU time of router, prefill and decode per generated token: the cost of serving,
+        which other load on the machine does not inflate as it inflates wall time."""
+        return 1e6 * self.cpu_seconds / max(1, self.generated)
+
+
+def workload(seed: int, requests: int, min_words: int, max_words: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    items = []
+    for i in range(requests):
+        words = rng.randint(min_words, max_words)
+        items.append((" ".join(f"w{i}-{j}" for j in range(words)), rng.randint(16, 64)))
+    return items
+
+
+def run_once(mode: str, args: argparse.Namespace, items: list[tuple[str, int]]) -> Run:
+    workdir = Path(tempfile.mkdtemp(prefix=f"minipd-bench-{mode}-"))
+    serve = [
+        "--kvwatch", mode, "--kvwatch-spool", str(workdir / "spool"),
+        "--pool-tokens", str(args.pool_tokens), "--context-length", str(args.context_length),
+        "--page-size", str(args.page_size), "--layers", str(args.layers),
+    ]  # fmt: skip
+    proc, url = start(serve, workdir)
+    try:
+        generate(url, "warm up", 4)
+        before = get(url, "/stats")
+        started = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            replies = list(pool.map(lambda item: generate(url, *item), items))
+        wall = time.perf_counter() - started
+        after = get(url, "/stats")
+    finally:
+        stop(proc)
+    if any(status != 200 for status, _ in replies):
+        raise SystemExit(f"{mode}: a request failed")
+    return Run(
+        wall=wall,
+        generated=sum(r["meta_info"]["completion_tokens"] for _, r in replies),
+        prompt=sum(r["meta_info"]["prompt_tokens"] for _, r in replies),
+        step_seconds=delta(before, after, "decode", "step_seconds"),
+        steps=int(delta(before, after, "decode", "steps")),
+        step_hook_seconds=delta(before, after, "decode", "step_hook_seconds"),
+        step_cpu_seconds=delta(before, after, "decode", "step_cpu_seconds"),
+        step_hook_cpu_seconds=delta(before, after, "decode", "step_hook_cpu_seconds"),
+        cpu_seconds=sum(
+            delta(before, after, role, "process_cpu_seconds")
+            for role in ("router", "prefill", "decode")
+        ),
+        hook_seconds=sum(
+            float(after[role]["hook_seconds"].get(hook, 0.0))
+            - float(before[role]["hook_seconds"].get(hook, 0.0))
+            for role in ("prefill", "decode")
+            for hook in after[role]["hook_seconds"]
+        ),
+    )
+
+
+def delta(before: dict[str, Any], after: dict[str, Any], role: str, name: str) -> float:
+    return float(after[role][name]) - float(before[role][name])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--min-words", type=int, default=200)
+    parser.add_argument("--max-words", type=int, default=4000)
+    parser.add_argument("--pool-tokens", type=int, default=262144)
+    parser.add_argument("--context-length", type=int, default=32768)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    items = workload(args.seed, args.requests, args.min_words, args.max_words)
+    runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
+    for round_no in range(args.rounds):
+        for mode in MODES:
+            run = run_once(mode, args, items)
+            runs[mode].append(run)
+            print(
+                f"round {round_no + 1} {mode:<7} {run.tokens_per_s:8.1f} gen tok/s "
+                f"{run.all_tokens_per_s:8.0f} tok/s  step {run.step_ms:.2f} ms "
+                f"(cpu {run.step_cpu_ms:.2f}) x{run.steps}  decode {run.decode_us_per_token:.0f} "
+                f"us/tok  cpu {run.cpu_us_per_token:.0f} us/tok  "
+                f"hooks {100 * run.hook_share:.2f}% of step cpu",
+                flush=True,
+            )
+
+    def median(mode: str, attr: str) -> float:
+        return float(statistics.median(getattr(r, attr) for r in runs[mode]))
+
+    print(
+        f"\nworkload: {args.requests} requests, {args.min_words}-{args.max_words} words, "
+        f"concurrency {args.concurrency}, seed {args.seed}, {args.layers} layers, "
+        f"page {args.page_size}; medians of {args.rounds} rounds"
+    )
+    rows = [
+        ("end-to-end generated tokens/s (wall)", "tokens_per_s"),
+        ("end-to-end prompt+generated tokens/s (wall)", "all_tokens_per_s"),
+        ("CPU us per generated token, 3 processes", "cpu_us_per_token"),
+        ("decode step ms (wall, mean)", "step_ms"),
+        ("decode step ms (CPU, mean)", "step_cpu_ms"),
+        ("decode us per generated token (wall)", "decode_us_per_token"),
+    ]
+    print(f"{'median':<44}" + "".join(f"{m:>10}{m + '/off':>12}" for m in MODES[1:]) + "  off")
+    for label, attr in rows:
+        base = median("off", attr)
+        cells = "".join(f"{median(m, attr):10.2f}{median(m, attr) / base:12.3f}" for m in MODES[1:])
+        print(f"{label:<44}{cells}  {base:.2f}")
+    shares = "".join(f"{100 * median(m, 'hook_share'):9.2f}%{'':12}" for m in MODES[1:])
+    print(f"{'tags+canaries share of decode step CPU':<44}{shares}")
+    off_cpu = median("off", "cpu_us_per_token")
+    direct = "".join(
+        f"{100 * median(m, 'hook_us_per_token') / off_cpu:9.2f}%{'':12}" for m in MODES[1:]
+    )
+    print(f"{'all hooks (wall inside), share of off CPU':<44}{direct}  (upper bound)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

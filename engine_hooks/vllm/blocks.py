@@ -1,0 +1,84 @@
+"""Block generations beside vLLM's ``BlockPool``, which the scheduler-side connector is bound to.
+
+``KVCacheBlock`` has ``__slots__``, so generations live in a side array indexed by ``block_id``
+and bumped on every ``BlockPool.get_new_blocks``. ``free_blocks`` is watched for blocks whose
+reference count reached zero: those without a prefix-cache hash go back to the free list for
+reuse and are handed to the worker for a free canary; cached ones stay readable (a later prefix
+hit reads them) and are never stamped. The wrappers are bound to the one pool instance, run the
+original first, and never raise: a failure is counted and the engine goes on.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from engine_hooks.vllm.metadata import BlockEvent
+
+
+class BlockLedger:
+    """Generations per block id and the alloc/free events the worker has not seen yet."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.generation = [0] * num_blocks
+        self.events: list[BlockEvent] = []
+        self.errors = 0
+        self.pool: Any = None
+
+    def attach(self, pool: Any) -> None:
+        """Watch ``pool.get_new_blocks`` and ``pool.free_blocks`` (instance attributes)."""
+        if self.pool is pool or getattr(pool, "_kvwatch_ledger", None) is not None:
+            return
+        self.pool = pool
+        get_new: Callable[[int], list[Any]] = pool.get_new_blocks
+        free: Callable[[Iterable[Any]], None] = pool.free_blocks
+
+        @functools.wraps(get_new)
+        def get_new_blocks(num_blocks: int) -> list[Any]:
+            blocks = get_new(num_blocks)
+            self._guard(self.allocated, blocks)
+            return blocks
+
+        @functools.wraps(free)
+        def free_blocks(ordered_blocks: Iterable[Any]) -> None:
+            blocks = list(ordered_blocks)
+            free(blocks)
+            self._guard(self.freed, blocks)
+
+        pool.get_new_blocks = get_new_blocks
+        pool.free_blocks = free_blocks
+        pool._kvwatch_ledger = self
+
+    def _guard(self, fn: Callable[[list[Any]], None], blocks: list[Any]) -> None:
+        try:
+            fn(blocks)
+        except Exception:
+            self.errors += 1
+
+    def allocated(self, blocks: list[Any]) -> None:
+        ids = [b.block_id for b in blocks]
+        for block_id in ids:
+            self.generation[block_id] += 1
+        if ids:
+            self.events.append(BlockEvent("alloc", ids))
+
+    def freed(self, blocks: list[Any]) -> None:
+        # Only blocks of this pool that really reached the free list, unhashed (not cached).
+        ids = [
+            b.block_id
+            for b in blocks
+            if not b.is_null
+            and (b.pool is None or b.pool is self.pool)
+            and b.ref_cnt == 0
+            and b.block_hash is None
+        ]
+        if ids:
+            self.events.append(BlockEvent("free", ids))
+
+    def snapshot(self, block_ids: Iterable[int]) -> list[int]:
+        return [self.generation[b] for b in block_ids]
+
+    def drain(self) -> list[BlockEvent]:
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,264 @@
+# mypy: allow-subclassing-any, disable-error-code="import-not-found"
+"""``KVWatchConnector``: kvwatch as a vLLM v1 KV connector.
+
+Add it as a ``MultiConnector`` child listed *before* ``NixlConnector`` (it returns 0 matched
+tokens, so NIXL stays the connector that loads; being first, its ``start_load_kv`` stamps the
+reserved blocks before NIXL's starts the reads). It transfers nothing, requires no KV layout,
+claims no async save, and supports the hybrid KV cache manager interface (verifying single-group
+models; hybrid models are counted as ``unsupported_layout``), so adding it changes nothing else.
+
+Every method returns at once and never raises into vLLM: a failure is counted as
+``hook_errors{hook}`` (and shows in the spool), and the method returns what a connector that does
+nothing would return.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+
+from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch
+from engine_hooks.vllm.layout import kv_pool
+from engine_hooks.vllm.metadata import KVWatchMetadata
+from engine_hooks.vllm.scheduler import SchedulerSide
+from engine_hooks.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("kvwatch.vllm")
+F = TypeVar("F", bound=Callable[..., Any])
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "unified"}
+
+
+def _guard(hook: str, default: Callable[[], Any]) -> Callable[[F], F]:
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def guarded(self: KVWatchConnector, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                self.hook_failed(hook, method.__name__, exc)
+                return default()
+
+        return cast(F, guarded)
+
+    return wrap
+
+
+def _none() -> None:
+    return None
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return ""
+
+
+class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvwatch's detectors as a KV connector: seal on prefill, verify on decode."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})
+        self.engine_role = str(extra.get("role") or _ROLES.get(str(ktc.kv_role), "unified"))
+        model_config = getattr(vllm_config, "model_config", None)
+        self.model = str(extra.get("model") or getattr(model_config, "served_model_name", "") or "")
+        spool = extra.get("spool", DEFAULT_SPOOL_DIR)
+        self.spool_dir: str | None = str(spool) if spool else None
+        self.mode: Any = extra.get("mode", "log")
+        self.resolve_interval = float(extra.get("resolve_interval_s", 1.0))
+        self.rank = _tp_rank(vllm_config)
+        groups = kv_cache_config.kv_cache_groups
+        spec = groups[0].kv_cache_spec if groups else None
+        self.block_size = int(getattr(spec, "block_size", 0) or 0)
+        dtype = getattr(spec, "dtype", None)
+        self.kv_dtype = dtype if isinstance(dtype, torch.dtype) else None
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        self.single_group = len(groups) == 1
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self.watch: KVWatch | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._start_scheduler(model_config)
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _new_watch(self, pool: Any) -> KVWatch:
+        return KVWatch(
+            pool,
+            role=self.engine_role,
+            engine="vllm",
+            engine_version=_vllm_version(),
+            model=self.model,
+            rank=self.rank,
+            mode=self.mode,
+            spool=self.spool_dir,
+        )
+
+    def _start_scheduler(self, model_config: Any) -> None:
+        try:
+            self.watch = self._new_watch(None)
+            parallel = getattr(self._vllm_config, "parallel_config", None)
+            tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+            self.scheduler = SchedulerSide(self.num_blocks, self.block_size, tp_size)
+            max_len = getattr(model_config, "max_model_len", None)
+            if max_len and self.block_size:
+                # Block 0 is the null block: the pool holds num_blocks - 1 usable blocks.
+                pool_tokens = (self.num_blocks - 1) * self.block_size
+                self.watch.report_pool(pool_tokens, int(max_len), self.block_size)
+        except Exception as exc:
+            self.hook_failed("startup", "__init__", exc)
+
+    def hook_failed(self, hook: str, name: str, exc: BaseException | None = None) -> None:
+        # The exception's type only: its message could quote request contents.
+        kind = type(exc).__name__ if exc is not None else "error"
+        logger.warning("kvwatch: %s failed (%s); the engine goes on", name, kind)
+        if self.watch is not None:
+            self.watch.stats.add("hook_errors", (hook,))
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    @_guard("startup", _none)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        pool = None
+        if self.single_group and self.block_size:
+            pool = kv_pool(kv_caches, self.num_blocks, self.block_size, self.kv_dtype)
+        self.watch = self._new_watch(pool)
+        if pool is None:
+            for detector in ("canary", "checksum", "page_tag"):
+                self.watch.stats.skipped(detector, "unsupported_layout")
+            return
+        self.worker = WorkerSide(self.watch, pool, self.rank, self.resolve_interval)
+
+    @_guard("verify", _none)
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, KVWatchMetadata):
+            self.worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    @_guard("seal", _none)
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.save()
+
+    @_guard("verify", set)
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    @_guard("seal", _none)
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.worker_meta() if self.worker is not None else None
+
+    @_guard("startup", _none)
+    def shutdown(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    @_guard("startup", _none)
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.ledger.attach(gpu_block_pool)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    @_guard("reserve", _none)
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
+
+    @_guard("reserve", _none)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_alloc(request, blocks)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        try:
+            if self.scheduler is not None:
+                meta = self.scheduler.build(scheduler_output)
+                self._count_skips()
+                return meta
+        except Exception as exc:
+            self.hook_failed("seal", "build_connector_meta", exc)
+        return KVWatchMetadata()
+
+    @_guard("seal", _none)
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._finished(request, block_ids)
+
+    @_guard("seal", _none)
+    def _finished(self, request: Any, block_ids: tuple[list[int], ...]) -> dict[str, Any] | None:
+        if self.scheduler is None:
+            return None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def _count_skips(self) -> None:
+        assert self.scheduler is not None and self.watch is not None
+        skips, self.scheduler.skips = self.scheduler.skips, []
+        for reason in skips:
+            self.watch.stats.skipped("checksum", reason)
+        if self.scheduler.ledger.errors:
+            self.watch.stats.add("hook_errors", ("alloc",), self.scheduler.ledger.errors)
+            self.scheduler.ledger.errors = 0
+
+    # -- what vLLM asks of every connector ------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # kvwatch hands no KV off
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None  # reads any block-dense layout; never imposes one
+
+
+def _tp_rank(vllm_config: Any) -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)

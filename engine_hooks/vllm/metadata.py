@@ -1,0 +1,86 @@
+# mypy: allow-subclassing-any, disable-error-code="import-not-found"
+"""What the kvwatch connector's two halves tell each other, once per engine step.
+
+Scheduler -> worker (:class:`KVWatchMetadata`, vLLM's ``KVConnectorMetadata``): the block pool's
+allocations and frees in the order they happened, the blocks to seal (prefill), the blocks
+reserved for a remote load and the seal they must match (decode), and the loads to verify now.
+
+Worker -> scheduler (:class:`KVWatchWorkerMetadata`, vLLM's ``KVConnectorWorkerMetadata``): the
+seals a prefill worker computed this step, per request and per tensor-parallel rank. vLLM merges
+the workers' objects with :meth:`KVWatchWorkerMetadata.aggregate`.
+
+Everything here is block ids, counts and digests: no token ids, no prompt text, no KV bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+#: ``kv_transfer_params`` key that carries the seals from prefill to decode.
+PARAMS_KEY = "kvwatch"
+#: Version of the ``kv_transfer_params["kvwatch"]`` object.
+WIRE_VERSION = 1
+
+SealWire = dict[str, int]  # Seal.to_wire(): {"page_count": n, "digest": d}
+
+
+@dataclass(slots=True)
+class BlockEvent:
+    """Blocks leaving (``alloc``) or returning to (``free``) the block pool's free list."""
+
+    kind: str  # "alloc" | "free"
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SealJob:
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class ReserveJob:
+    """Decode allocated ``block_ids`` for a remote prefill's KV; ``seals`` is what prefill sent
+    (per TP rank, as strings), None when it sent none; ``local_hits`` blocks came from decode's
+    own prefix cache and are not part of the transfer."""
+
+    request_id: str
+    block_ids: list[int]
+    seals: dict[str, SealWire] | None
+    local_hits: int
+    sealed_blocks: int
+    reason: str = ""  # why the seal cannot be used, when it cannot
+
+
+@dataclass
+class KVWatchMetadata(KVConnectorMetadata):
+    events: list[BlockEvent] = field(default_factory=list)
+    seal: list[SealJob] = field(default_factory=list)
+    reserve: list[ReserveJob] = field(default_factory=list)
+    verify: list[str] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)  # forget these requests' tickets
+
+
+@dataclass
+class KVWatchWorkerMetadata(KVConnectorWorkerMetadata):
+    #: request id -> TP rank (as a string, JSON-safe) -> seal
+    seals: dict[str, dict[str, SealWire]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVWatchWorkerMetadata):
+            return self
+        merged = {rid: dict(ranks) for rid, ranks in self.seals.items()}
+        for rid, ranks in other.seals.items():
+            merged.setdefault(rid, {}).update(ranks)
+        return KVWatchWorkerMetadata(merged)
+
+
+def wire_params(slot: dict[str, Any]) -> dict[str, Any]:
+    """The ``kv_transfer_params`` entry prefill returns from ``request_finished``."""
+    return {PARAMS_KEY: slot}

@@ -1,0 +1,233 @@
+"""The scheduler half of the kvwatch connector: block ledger, seal channel, verify triggers.
+
+The seal channel (prefill -> decode), given that vLLM calls ``request_finished`` in
+``Scheduler.update_from_output`` *before* it hands the same step's worker output to the connector
+(``update_connector_output``):
+
+1. ``build_connector_meta`` of the step that computes the last prompt token of a request with
+   ``do_remote_decode`` sends the worker a :class:`SealJob` (the request's blocks).
+2. The prefill worker seals those blocks in ``wait_for_save`` (after the forward wrote them) and
+   returns the seal in ``build_connector_worker_meta``: it rides in that step's
+   ``KVConnectorOutput.kv_connector_worker_meta``.
+3. ``request_finished`` (same ``update_from_output`` call, earlier) returns
+   ``{"kvwatch": slot}`` in ``kv_transfer_params``: the seal if it already arrived (prompt done in
+   an earlier step), else an empty ``slot`` dict that this connector keeps.
+4. ``update_connector_output`` (same call, later) fills the kept ``slot`` in place. The engine
+   serialises ``kv_transfer_params`` only after ``update_from_output`` returns, and
+   ``MultiConnector`` merges children's params by reference to the inner dict, so the client (the
+   PD proxy) receives the filled seal with the rest of the params and hands it to decode with
+   NIXL's ``remote_block_ids``. A slot still empty at that point (the worker failed to seal)
+   reaches decode as ``{"v": 1}`` and decode counts ``skipped{checksum, no_seal}``.
+
+On decode, the request's ``kv_transfer_params["kvwatch"]`` (read in ``on_new_request``, before any
+connector flips ``do_remote_prefill``) gives the seals; ``update_state_after_alloc`` gives the
+blocks the remote KV lands in (unhashed blocks; hashed ones are decode's own prefix hits), which
+the worker stamps and tags (:class:`ReserveJob`); when the aggregated ``KVConnectorOutput`` reports
+the request in ``finished_recving`` the next step's metadata asks the worker to verify it
+before that step's forward, and failures go out through ``get_block_ids_with_load_errors``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_hooks.vllm.blocks import BlockLedger
+from engine_hooks.vllm.metadata import (
+    PARAMS_KEY,
+    WIRE_VERSION,
+    KVWatchMetadata,
+    KVWatchWorkerMetadata,
+    ReserveJob,
+    SealJob,
+    SealWire,
+)
+
+_FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+@dataclass(slots=True)
+class _Producer:
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    sealed: list[int] | None = None  # the blocks the seal job covered
+
+
+@dataclass(slots=True)
+class _Consumer:
+    seals: dict[str, SealWire] | None
+    sealed_blocks: int
+    reason: str = ""  # why the seals cannot be checked here, when they cannot
+    reserved: bool = False
+
+
+def _blocks(group_block_ids: Any) -> list[int] | None:
+    """The one KV cache group's block ids, or None for hybrid (several groups)."""
+    groups = tuple(group_block_ids)
+    if len(groups) != 1:
+        return None
+    return [int(b) for b in groups[0]]
+
+
+class SchedulerSide:
+    def __init__(self, num_blocks: int, block_size: int, tp_size: int = 1) -> None:
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.ledger = BlockLedger(num_blocks)
+        self.producers: dict[str, _Producer] = {}
+        self.consumers: dict[str, _Consumer] = {}
+        self.slots: dict[str, dict[str, Any]] = {}  # request_finished handed these out, unfilled
+        self.arrived: dict[str, dict[str, SealWire]] = {}  # seals before request_finished
+        self.seal_jobs: list[SealJob] = []
+        self.reserve_jobs: list[ReserveJob] = []
+        self.verify: list[str] = []
+        self.release: list[str] = []
+        self.skips: list[str] = []  # reasons, drained into counters by the connector
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params or {}
+        rid = request.request_id
+        if params.get("do_remote_decode"):
+            self.producers[rid] = _Producer(int(request.num_prompt_tokens))
+        elif params.get("do_remote_prefill"):
+            wire = params.get(PARAMS_KEY)
+            consumer = _Consumer(None, 0)
+            if isinstance(wire, dict) and isinstance(wire.get("seals"), dict):
+                consumer.seals = {str(k): dict(v) for k, v in wire["seals"].items()}
+                consumer.sealed_blocks = int(wire.get("blocks", 0))
+                if wire.get("tp") != self.tp_size:
+                    consumer.reason = "other"  # each rank sealed its own shard of the heads
+                elif wire.get("block_size") != self.block_size:
+                    consumer.reason = "unsupported_layout"
+            self.consumers[rid] = consumer
+
+    def update_state_after_alloc(self, request: Any, blocks: Any) -> None:
+        consumer = self.consumers.get(request.request_id)
+        if consumer is None or consumer.reserved:
+            return
+        consumer.reserved = True
+        groups = blocks.blocks
+        if len(groups) != 1:
+            self.skips.append("unsupported_layout")
+            return
+        own = [b for b in groups[0] if not b.is_null]
+        local = [b for b in own if b.block_hash is not None]
+        loaded = [b.block_id for b in own if b.block_hash is None]
+        if not loaded:
+            return
+        reason = consumer.reason
+        if consumer.seals is None:
+            reason = "no_seal"
+        elif local and not reason:
+            reason = "other"  # decode's own prefix hit: the seal covers blocks not transferred
+        self.reserve_jobs.append(
+            ReserveJob(
+                request.request_id,
+                loaded,
+                consumer.seals,
+                len(local),
+                consumer.sealed_blocks,
+                reason,
+            )
+        )
+
+    def track(self, scheduler_output: Any) -> None:
+        """Follow producer requests' blocks; queue a seal when a step completes the prompt."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            producer = self.producers.get(new.req_id)
+            if producer is not None:
+                producer.block_ids = _blocks(new.block_ids) or []
+                self._maybe_seal(new.req_id, producer, new.num_computed_tokens, scheduled)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, rid in enumerate(cached.req_ids):
+            producer = self.producers.get(rid)
+            if producer is None:
+                continue
+            new_ids = cached.new_block_ids[index]
+            if new_ids is not None:
+                ids = _blocks(new_ids) or []
+                if rid in cached.resumed_req_ids:
+                    producer.block_ids = ids
+                else:
+                    producer.block_ids.extend(ids)
+            self._maybe_seal(rid, producer, cached.num_computed_tokens[index], scheduled)
+
+    def _maybe_seal(
+        self, rid: str, producer: _Producer, computed: int, scheduled: dict[str, int]
+    ) -> None:
+        done = computed + scheduled.get(rid, 0)
+        if done < producer.num_prompt_tokens:
+            return
+        count = -(-producer.num_prompt_tokens // self.block_size)
+        blocks = producer.block_ids[:count]
+        if producer.sealed == blocks:
+            return
+        producer.sealed = blocks
+        self.seal_jobs.append(SealJob(rid, blocks))
+
+    def request_finished(self, request: Any, block_ids: Any) -> dict[str, Any] | None:
+        rid = request.request_id
+        consumer = self.consumers.pop(rid, None)
+        if consumer is not None:
+            self.release.append(rid)
+        producer = self.producers.pop(rid, None)
+        if producer is None:
+            return None
+        if getattr(request.status, "name", "") not in _FINISHED_OK:
+            self.arrived.pop(rid, None)
+            return None
+        slot: dict[str, Any] = {
+            "v": WIRE_VERSION,
+            "tp": self.tp_size,
+            "block_size": self.block_size,
+        }
+        sent = _blocks(block_ids) if isinstance(block_ids, tuple) else list(block_ids)
+        if producer.sealed is None or sent is None or sent != producer.sealed:
+            # The blocks NIXL hands over are not the ones sealed (hybrid groups, or a prompt
+            # that never completed here): send no seal rather than a wrong one.
+            self.arrived.pop(rid, None)
+            self.skips.append("no_seal")
+            return wire_slot(slot)
+        slot["blocks"] = len(producer.sealed)
+        seals = self.arrived.pop(rid, None)
+        if seals is not None:
+            slot["seals"] = seals
+        else:
+            self.slots[rid] = slot
+        return wire_slot(slot)
+
+    # -- worker output -------------------------------------------------------------------------
+
+    def update_connector_output(self, output: Any) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVWatchWorkerMetadata):
+            for rid, seals in meta.seals.items():
+                slot = self.slots.pop(rid, None)
+                if slot is not None:
+                    slot["seals"] = dict(seals)
+                elif rid in self.producers:
+                    self.arrived.setdefault(rid, {}).update(seals)
+        for rid in output.finished_recving or ():
+            if rid in self.consumers and self.consumers[rid].reserved:
+                self.verify.append(rid)
+        # A slot that was handed out this step and is still empty will not be filled later.
+        self.slots.clear()
+
+    def build(self, scheduler_output: Any) -> KVWatchMetadata:
+        self.track(scheduler_output)
+        meta = KVWatchMetadata(
+            events=self.ledger.drain(),
+            seal=self.seal_jobs,
+            reserve=self.reserve_jobs,
+            verify=self.verify,
+            release=self.release,
+        )
+        self.seal_jobs, self.reserve_jobs, self.verify, self.release = [], [], [], []
+        return meta
+
+
+def wire_slot(slot: dict[str, Any]) -> dict[str, Any]:
+    return {PARAMS_KEY: slot}
