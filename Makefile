@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m minipd demo
+	$(PY) -m demo
 
 # The detectors alone, in one process: the essay's 8 pages and four other failure classes.
 walkthrough: $(STAMP)

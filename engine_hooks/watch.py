@@ -29,6 +29,7 @@ import functools
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 DETECTOR_NAMES = ("canary", "checksum", "page_tag", "admission")
+# Mismatches already reported, remembered so a request is reported once per detector and kind.
+_REMEMBERED_REPORTS = 4096
 # From this many pages on, a host-memory batch check is cheaper as tensor ops than in Python.
 _VECTOR_PAGES = 96
 
@@ -171,6 +174,7 @@ class KVWatch:
         self.checksum = TransferChecksum(pool, self.stats, self.modes["checksum"]) if pool else None
         self.pool_report: PoolReport | None = None
         self._pending: list[Finding] = []
+        self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._on_device = pool is not None and not pool.is_cpu
         self._lock = threading.Lock()  # guards the spool snapshot against the flush thread
         self._stop = threading.Event()
@@ -336,7 +340,15 @@ class KVWatch:
         return [self._report(v) for f in findings for v in f.resolve()]
 
     def _report(self, verdict: Verdict) -> Verdict:
-        """Count a mismatch and write its event record."""
+        """Count a mismatch and write its event record, once per request, detector and kind:
+        a stale page found at admit is found again at every decode step of the same request."""
+        key = (verdict.request_id, verdict.detector, verdict.kind or "other")
+        if verdict.request_id and key in self._reported:
+            return verdict
+        if verdict.request_id:
+            self._reported[key] = None
+            if len(self._reported) > _REMEMBERED_REPORTS:
+                self._reported.popitem(last=False)
         self.stats.mismatch(verdict.detector, verdict.kind or "other")
         if self.spool is not None:
             self.spool.write(

@@ -52,13 +52,13 @@ _HOOK_FAMILIES: Final[dict[str, tuple[str, tuple[str, ...], tuple[tuple[str, ...
     ),
     "kvwatch_hook_seconds": (
         "Time spent inside kvwatch's engine hooks.",
-        ("hook",),
-        (LABEL_SETS["hook"],),
+        ("hook", "role"),
+        (LABEL_SETS["hook"], LABEL_SETS["role"]),
     ),
     "kvwatch_hook_errors": (
         "Exceptions caught inside kvwatch's engine hooks (the engine never sees them).",
-        ("hook",),
-        (LABEL_SETS["hook"],),
+        ("hook", "role"),
+        (LABEL_SETS["hook"], LABEL_SETS["role"]),
     ),
     "kvwatch_spool_dropped_records": (
         "Records the hooks could not write to the spool, by reason.",

@@ -42,8 +42,8 @@ HOOK_COUNTERS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     "verifications_skipped": ("kvwatch_verifications_skipped", ("detector", "role", "reason")),
     "mismatches": ("kvwatch_mismatches", ("detector", "role", "kind")),
     "aborted_admissions": ("kvwatch_aborted_admissions", ("queue", "role")),
-    "hook_seconds": ("kvwatch_hook_seconds", ("hook",)),
-    "hook_errors": ("kvwatch_hook_errors", ("hook",)),
+    "hook_seconds": ("kvwatch_hook_seconds", ("hook", "role")),
+    "hook_errors": ("kvwatch_hook_errors", ("hook", "role")),
     "spool_dropped": ("kvwatch_spool_dropped_records", ("reason",)),
 }
 

@@ -60,3 +60,19 @@ def test_counters_are_flushed_periodically(tmp_path: Path) -> None:
     assert ["aborted_admissions", {"queue": "prefill_bootstrap"}, 1] in snapshots[-1]["counters"]
     watch.close()
     watch.close()  # idempotent
+
+
+def test_a_request_is_reported_once_per_detector_and_kind(tmp_path: Path) -> None:
+    pair = Pair.build("mha", torch.bfloat16, spool=tmp_path)
+    dst, ticket, _ = pair.clean_request("running", 3)
+    pair.free("decode", dst[:1])
+    pair.decode_free.remove(dst[0])
+    pair.decode.on_alloc([dst[0]], "thief")
+    for _ in range(5):  # every decode step still sees the stale page, and says so
+        assert len(pair.decode.check_batch([ticket])) == 1
+    pair.decode.close()
+    pair.prefill.close()
+    contents = read_spool(tmp_path)
+    assert len(contents.events(request_id="running")) == 1
+    mismatches = contents.latest_counters()["mismatches"]
+    assert mismatches[(("detector", "page_tag"), ("kind", "stale_tag"))] == 1

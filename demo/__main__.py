@@ -1,0 +1,171 @@
+"""``make demo``: the incident, caught and paged, on this machine.
+
+Starts minipd as SGLang 0.5.19 in PD mode with kvwatch's hooks in log mode, the kvwatch daemon,
+Prometheus with kvwatch's alert rules and Alertmanager (from Debian's packages: installed when
+missing and running as root, otherwise the demo says how and runs the rest), and a webhook
+receiver standing in for the pager. Then it replays the essay: sixteen users plant codes, one
+prompt lands in the unsafe band, the reply carries other users' codes, and the page arrives.
+
+On a terminal it keeps everything running until Ctrl-C, so you can look around; otherwise it
+stops when the scenario is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from demo.stack import CONTEXT, DECODE_POOL, NODE, PREFILL_POOL, REPO, Stack, missing_tools
+from demo.stack import Notification as Page
+from minipd.launch import generate
+
+FILLER_WORDS = 20_000
+MARKERS = 16
+
+
+def ensure_prometheus() -> bool:
+    missing = missing_tools()
+    if not missing:
+        return True
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("installing Debian's prometheus and prometheus-alertmanager ...", flush=True)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        for argv in (
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus",
+             "prometheus-alertmanager"],
+        ):  # fmt: skip
+            if subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, check=False).returncode:
+                break
+        if not missing_tools():
+            return True
+    print(
+        "Prometheus and Alertmanager are not installed, so this demo runs without the alerting"
+        " half. To see the page arrive:\n"
+        "  sudo apt-get install -y --no-install-recommends prometheus prometheus-alertmanager"
+    )
+    return False
+
+
+_shown: set[str] = set()
+
+
+def show_page(page: Page) -> None:
+    """Print each firing alert once (Alertmanager resends a group as it grows)."""
+    for alert in page.alerts():
+        if alert.get("status") != "firing" or alert.get("fingerprint") in _shown:
+            continue
+        _shown.add(str(alert.get("fingerprint")))
+        labels = alert.get("labels", {})
+        print(
+            f"\n  >>> PAGE  {labels.get('alertname')} [{labels.get('severity')}] "
+            f"node={labels.get('node')} role={labels.get('role', '-')}"
+            + (
+                f" detector={labels['detector']} kind={labels.get('kind')}"
+                if "detector" in labels
+                else ""
+            )
+            + "\n"
+            f"      {alert.get('annotations', {}).get('summary', '')}",
+            flush=True,
+        )
+
+
+def replay(stack: Stack) -> None:
+    print(f"\n== {MARKERS} users send prompts with their own code", flush=True)
+    markers = ["CANARY-" + secrets.token_hex(6) for _ in range(MARKERS)]
+    for marker in markers:
+        status, _ = generate(stack.minipd_url, ("Remember the code " + marker + ". ") * 2000)
+        print(f"    {marker}: HTTP {status}")
+    print(
+        f"\n== One prompt of {FILLER_WORDS:,} words: longer than the prefill pool "
+        f"({PREFILL_POOL:,}), shorter than the context ({CONTEXT:,})",
+        flush=True,
+    )
+    started = time.monotonic()
+    status, out = generate(stack.minipd_url, "word " * FILLER_WORDS + "Repeat any codes you saw.")
+    elapsed = time.monotonic() - started
+    text = str(out.get("text", ""))
+    leaked = [m for m in markers if m in text]
+    print(
+        f"    HTTP {status} in {elapsed:.2f} s, "
+        f"prompt_tokens={out.get('meta_info', {}).get('prompt_tokens')}"
+    )
+    print(f"    reply: {text[:200]}...")
+    print(f"    other users' codes in the reply: {leaked or 'none'}")
+
+
+def incidents(stack: Stack) -> None:
+    print("\n== kvwatch incidents (what the disclosure team gets)", flush=True)
+    deadline = time.monotonic() + 20
+    while True:
+        listing = subprocess.run(
+            [sys.executable, "-m", "kvwatch.cli", "incidents", "--journal", str(stack.journal)],
+            capture_output=True, text=True, cwd=REPO, check=False,
+        )  # fmt: skip
+        if "unwritten_page" in listing.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    lines = listing.stdout.rstrip().splitlines()
+    if len(lines) > 14:
+        lines = [*lines[:12], f"    ... {len(lines) - 13} more", lines[-1]]
+    print("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
+    parser.add_argument(
+        "--hold",
+        action=argparse.BooleanOptionalAction,
+        default=sys.stdin.isatty(),
+        help="keep running until Ctrl-C (default: when on a terminal)",
+    )
+    args = parser.parse_args()
+    alerting = ensure_prometheus()
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-demo-"))
+    print(
+        f"kvwatch demo: minipd as SGLang 0.5.19 in PD mode (prefill pool {PREFILL_POOL:,}, "
+        f"decode pool {DECODE_POOL:,}, context {CONTEXT:,} tokens), hooks in log mode.\n"
+        f"Files in {workdir}",
+        flush=True,
+    )
+    stack = Stack(workdir, with_prometheus=alerting, on_page=show_page)
+    try:
+        stack.start()
+        print("\n== Where to look")
+        print(f"    status page         {stack.daemon_url}/")
+        print(f"    metrics             {stack.daemon_url}/metrics")
+        if alerting:
+            print(f"    Prometheus alerts   {stack.prometheus_url}/alerts")
+            print(f"    Alertmanager        {stack.alertmanager_url}")
+        print(f"    incidents           kvwatch incidents --journal {stack.journal}")
+        print(f"    the engine (SGLang /generate API)  {stack.minipd_url}/generate", flush=True)
+        if alerting:
+            stack.wait_scraped()
+        replay(stack)
+        incidents(stack)
+        if alerting and stack.webhook is not None:
+            print("\n== Waiting for the page ...", flush=True)
+            stack.webhook.wait_for("KVIntegrityMismatch", timeout=60)
+            time.sleep(1)
+        if args.hold:
+            print("\nEverything is still running; Ctrl-C stops it all.", flush=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nstopping ...")
+    finally:
+        stack.stop()
+    print(f"stopped. node label in Prometheus: {NODE}; files kept in {workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

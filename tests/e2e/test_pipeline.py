@@ -1,0 +1,124 @@
+"""The live pipeline with real parts: minipd (SGLang 0.5.19 in PD mode, kvwatch log), the kvwatch
+daemon, Prometheus with alerts/ loaded, Alertmanager, and a webhook receiver on 127.0.0.1.
+
+The pool alert reaches the webhook first (minipd's prefill pool is smaller than its context);
+then the essay's marker traffic leaks and the integrity alert reaches it, with node and role.
+Finally every PromQL expression of every dashboard panel is asked of Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from demo.stack import NODE, REPO, Stack, missing_tools
+from minipd.launch import generate
+
+FILLER_WORDS = 20_000  # inside minipd's band: prefill pool 16,384 < prompt < context 32,768
+DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
+# Grafana's variables, as a viewer of the demo node would have them.
+VARIABLES = {"$__rate_interval": "30s", "$__range": "15m", "$node": NODE, "$role": ".+"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    missing = missing_tools()
+    if missing:
+        pytest.fail(f"{missing} missing: make test installs Debian's prometheus packages")
+    workdir = tmp_path_factory.mktemp("pipeline")
+    with Stack(workdir) as running:
+        yield running  # type: ignore[misc]
+    shutil.rmtree(workdir / "prometheus-data", ignore_errors=True)
+
+
+def test_pool_alert_reaches_the_webhook(stack: Stack) -> None:
+    assert stack.webhook is not None
+    stack.wait_scraped()
+    _, alert = stack.webhook.wait_for("KVPoolSmallerThanContext", timeout=60)
+    assert alert["labels"]["node"] == NODE
+    assert alert["labels"]["role"] == "prefill"
+    assert alert["labels"]["severity"] == "critical"
+    assert "runbook.md#kvpoolsmallerthancontext" in alert["annotations"]["runbook_url"]
+
+
+def test_integrity_alert_reaches_the_webhook_with_node_and_role(stack: Stack) -> None:
+    assert stack.webhook is not None
+    markers = ["CANARY-" + secrets.token_hex(6) for _ in range(16)]
+    for marker in markers:
+        assert generate(stack.minipd_url, ("Remember the code " + marker + ". ") * 2000)[0] == 200
+    sent = time.time()
+    status, out = generate(stack.minipd_url, "word " * FILLER_WORDS + "Repeat any codes you saw.")
+    assert status == 200  # log mode serves the leak; the page is what catches it
+    assert any(m in out["text"] for m in markers)
+    note, alert = stack.webhook.wait_for("KVIntegrityMismatch", timeout=60)
+    latency = note.received - sent
+    print(f"\nintegrity alert at the webhook {latency:.2f} s after the long request")
+    (REPO / "artifacts").mkdir(exist_ok=True)
+    (REPO / "artifacts" / "alert-latency.txt").write_text(f"{latency:.3f}\n")
+    assert alert["labels"]["node"] == NODE
+    assert alert["labels"]["role"] == "decode"
+    assert alert["labels"]["severity"] == "critical"
+    assert NODE in alert["annotations"]["description"]
+    assert "decode" in alert["annotations"]["description"]
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    found = []
+    for path in DASHBOARDS:
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel.get("targets", []):
+                if target.get("expr"):
+                    found.append((path.stem, panel["title"], target["expr"]))
+    return found
+
+
+def test_every_dashboard_query_returns_a_series(stack: Stack) -> None:
+    queries = dashboard_queries()
+    assert len(queries) > 30
+    nvml_up = stack.query(f'kvwatch_nvml_up{{node="{NODE}"}}')
+    empty = []
+    for dashboard, title, expr in queries:
+        promql = expr
+        for name, value in VARIABLES.items():
+            promql = promql.replace(name, value)
+        assert "$" not in promql, promql
+        if stack.query(promql):
+            continue
+        if "kvwatch_gpu_memory_bytes" in expr and nvml_up[0]["value"][1] == "0":
+            continue  # no GPU here: NVML is down, and its own panel shows that
+        empty.append(f"{dashboard} / {title}: {expr}")
+    assert not empty, "queries with no series:\n" + "\n".join(empty)
+
+
+def test_recording_rules_and_alert_rules_are_healthy(stack: Stack) -> None:
+    from demo.stack import http_json
+
+    groups = http_json(stack.prometheus_url + "/api/v1/rules")["data"]["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert rules
+    unhealthy = [r["name"] for r in rules if r.get("health") != "ok"]
+    assert not unhealthy
+    assert re.search(r"KVIntegrityMismatch", json.dumps(rules))
+
+
+def test_status_page_and_incidents_show_the_leak(stack: Stack, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import urllib.request
+
+    with urllib.request.urlopen(stack.daemon_url + "/", timeout=10) as reply:
+        page = reply.read().decode()
+    assert "INTEGRITY ALERT" in page
+    listing = subprocess.run(
+        [sys.executable, "-m", "kvwatch.cli", "incidents", "--journal", str(stack.journal),
+         "--json"],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )  # fmt: skip
+    detectors = {row["detector"] for row in json.loads(listing.stdout)}
+    assert {"canary", "checksum", "page_tag"} <= detectors
