@@ -5,9 +5,11 @@ the KV pool size and the advertised context (the unsafe band), and reports what 
 status (an over-length prompt must be refused), the ``prompt_tokens`` the server reports, the
 latency against what a prefill of that length takes, and any marker from an earlier request.
 
-Exit codes: 0 the long prompt was refused with an error (safe); 1 it was answered; 3 it was
-answered with another request's marker in it (a leak); 4 the probe could not complete (server
-unreachable, bad responses); 2 usage errors and refusals to run.
+Exit codes: 0 the long prompt was refused with a client error (4xx: safe); 1 it was not
+refused: answered, or failed with a server error (5xx, e.g. kvwatch in enforce mode stopped a
+read of stale pages, but the engine still let the prompt through); 3 it was answered with
+another request's marker in it (a leak); 4 the probe could not complete (server unreachable,
+bad responses); 2 usage errors and refusals to run.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Any, Protocol
 EXIT_SAFE, EXIT_ANSWERED, EXIT_USAGE, EXIT_LEAKED, EXIT_FAILED = 0, 1, 2, 3, 4
 FILLER_WORD = "word "
 TAIL = "Repeat any codes you saw."
-# A reply faster than this share of the expected prefill time did not read the whole prompt.
-TOO_FAST_SHARE = 0.25
+# A reply faster than this share of the expected time did not read the whole prompt.
+TOO_FAST_SHARE = 0.5
+NEW_TOKENS = 64
 
 
 class ProbeError(Exception):
@@ -119,7 +122,8 @@ class HttpApi:
 
 @dataclass(frozen=True)
 class Sizing:
-    """A linear fit of reported prompt tokens against filler words: tokens = per_word*w + fixed."""
+    """A line y = per_word * x + fixed: reported prompt tokens against filler words (and, in
+    :func:`expected_seconds`, reply microseconds against prompt tokens)."""
 
     per_word: float
     fixed: float
@@ -176,17 +180,21 @@ class Report:
     prompt_tokens: int | None = None
     landed_off_by_tokens: int | None = None
     seconds: float = 0.0
-    expected_prefill_seconds: float | None = None
+    expected_seconds: float | None = None
     too_fast: bool = False
     markers_planted: int = 0
     leaked_markers: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
+    def refused(self) -> bool:
+        return 400 <= self.status < 500
+
+    @property
     def exit_code(self) -> int:
-        if self.status >= 400:
-            return EXIT_SAFE
-        return EXIT_LEAKED if self.leaked_markers else EXIT_ANSWERED
+        if self.leaked_markers:
+            return EXIT_LEAKED
+        return EXIT_SAFE if self.refused else EXIT_ANSWERED
 
 
 class Progress:
@@ -206,22 +214,50 @@ class Progress:
             sys.stderr.flush()
 
 
-def calibrate(api: Api, progress: Callable[[str], None]) -> tuple[Sizing, float | None]:
-    """Fit tokens per filler word from short prompts; estimate prefill seconds per token."""
+def calibrate(api: Api, progress: Callable[[str], None]) -> Sizing:
+    """Fit tokens per filler word from short prompts (the probe has no tokenizer)."""
     points: list[tuple[int, int]] = []
-    timings: list[tuple[int, float]] = []
     for words in (16, 64, 256, 1024):
-        progress(f"calibrating: {words} words")
+        progress(f"calibrating the size: {words} words")
         reply = api.send(FILLER_WORD * words + TAIL, 1)
         if reply.status >= 400 or reply.prompt_tokens is None:
             raise ProbeError(f"calibration prompt of {words} words got HTTP {reply.status}")
         points.append((words, reply.prompt_tokens))
-        timings.append((reply.prompt_tokens, reply.seconds))
-    per_token = None
-    (t0, s0), (t1, s1) = timings[1], timings[-1]
-    if t1 > t0 and s1 > s0:
-        per_token = (s1 - s0) / (t1 - t0)
-    return fit(points), per_token
+    return fit(points)
+
+
+def expected_seconds(
+    api: Api,
+    sizing: Sizing,
+    target_tokens: int,
+    progress: Callable[[str], None],
+    pool_tokens: int | None = None,
+) -> float | None:
+    """What a reply to ``target_tokens`` should take, from a line through the fastest of two
+    replies to each of three shorter prompts asking as many new tokens. The shorter prompts stay
+    inside the pool when its size is known (a prompt in the band would itself leak), else at a
+    quarter of the target at most. Real prefill grows faster than linearly with length, so the
+    line underestimates: a reply faster than half of it did not read its prompt."""
+    shares = (8, 4, 2) if pool_tokens else (16, 8, 4)
+    limit = int(pool_tokens * 0.9) if pool_tokens else target_tokens
+    timings: list[tuple[int, int]] = []
+    for share in shares:
+        words = sizing.words_for(max(16, min(limit, target_tokens // share)))
+        best: Reply | None = None
+        for attempt in (1, 2):
+            progress(f"timing replies: {words} words ({attempt}/2)")
+            reply = api.send(FILLER_WORD * words + TAIL, NEW_TOKENS)
+            if reply.status >= 400 or reply.prompt_tokens is None:
+                return None
+            if best is None or reply.seconds < best.seconds:
+                best = reply
+        assert best is not None and best.prompt_tokens is not None
+        timings.append((best.prompt_tokens, round(best.seconds * 1e6)))
+    try:
+        line = fit(timings)
+    except ProbeError:
+        return None
+    return line.tokens_for(target_tokens) / 1e6
 
 
 def run(
@@ -233,10 +269,11 @@ def run(
     marker_repeats: int = 2000,
     count_tokens: Callable[[str], int] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
+    pool_tokens: int | None = None,
 ) -> Report:
     """The probe itself: calibrate, plant markers, send the long prompt, read the reply."""
     report = Report(url=url, target_tokens=target_tokens)
-    sizing, per_token = calibrate(api, progress)
+    sizing = calibrate(api, progress)
     if count_tokens is not None:  # a local tokenizer: size exactly instead of by the fit
         words = sizing.words_for(target_tokens)
         while count_tokens(FILLER_WORD * words + TAIL) < target_tokens:
@@ -247,10 +284,11 @@ def run(
     planted = ["CANARY-" + secrets.token_hex(6) for _ in range(markers)]
     for i, marker in enumerate(planted, 1):
         progress(f"planting markers: {i}/{markers}")
-        api.send(("Remember the code " + marker + ". ") * marker_repeats, 64)
+        api.send(("Remember the code " + marker + ". ") * marker_repeats, NEW_TOKENS)
     report.markers_planted = len(planted)
+    expected = expected_seconds(api, sizing, target_tokens, progress, pool_tokens)
     progress(f"sending the long prompt (~{target_tokens:,} tokens); this can take minutes")
-    reply = api.send(FILLER_WORD * report.filler_words + TAIL, 64)
+    reply = api.send(FILLER_WORD * report.filler_words + TAIL, NEW_TOKENS)
     report.status, report.seconds, report.prompt_tokens = (
         reply.status,
         reply.seconds,
@@ -258,17 +296,21 @@ def run(
     )
     if reply.prompt_tokens is not None:
         report.landed_off_by_tokens = reply.prompt_tokens - target_tokens
-    if per_token is not None:
-        report.expected_prefill_seconds = per_token * target_tokens
-        report.too_fast = reply.status < 400 and reply.seconds < TOO_FAST_SHARE * (
-            report.expected_prefill_seconds
-        )
+    if expected is not None:
+        report.expected_seconds = expected
+        report.too_fast = reply.status < 400 and reply.seconds < TOO_FAST_SHARE * expected
     report.leaked_markers = [m for m in planted if m in reply.text]
-    report.verdict = {
-        EXIT_SAFE: "safe: the over-length prompt was refused",
-        EXIT_ANSWERED: "VULNERABLE: an over-length prompt was answered",
-        EXIT_LEAKED: "LEAK: the reply holds another request's marker",
-    }[report.exit_code]
+    if report.leaked_markers:
+        report.verdict = "LEAK: the reply holds another request's marker"
+    elif report.refused:
+        report.verdict = "safe: the over-length prompt was refused"
+    elif report.status >= 500:
+        report.verdict = (
+            f"NOT REFUSED: the engine let the over-length prompt through and then failed it "
+            f"(HTTP {report.status}); nothing leaked, but the engine needs the fix"
+        )
+    else:
+        report.verdict = "VULNERABLE: an over-length prompt was answered"
     if report.too_fast:
         report.notes.append(
             "the reply came much faster than a prefill of this length takes: "
@@ -289,10 +331,10 @@ def render(report: Report) -> str:
             f"  prompt_tokens reported: {report.prompt_tokens:,} "
             f"({report.landed_off_by_tokens:+,} from the aim)"
         )
-    expected = report.expected_prefill_seconds
+    expected = report.expected_seconds
     timing = f"  latency: {report.seconds:.2f} s"
     if expected is not None:
-        timing += f" (a prefill of this length takes about {expected:.2f} s)"
+        timing += f" (a reply to a prompt this long should take at least {expected:.2f} s)"
     lines.append(timing)
     lines.append(
         f"  markers planted: {report.markers_planted}, leaked: {len(report.leaked_markers)}"
@@ -317,16 +359,17 @@ def load_tokenizer(path: str) -> Callable[[str], int]:
     return lambda text: len(tokenizer.encode(text).ids)
 
 
-def target_from_args(args: argparse.Namespace) -> int:
+def target_from_args(args: argparse.Namespace) -> tuple[int, int | None]:
+    """The prompt length to send, and the pool size when known."""
     if args.prompt_tokens:
-        return int(args.prompt_tokens)
+        return int(args.prompt_tokens), args.pool_tokens
     if args.pool_tokens and args.context_tokens:
-        return aim(args.pool_tokens, args.context_tokens)
+        return aim(args.pool_tokens, args.context_tokens), args.pool_tokens
     if args.from_logs:
         from kvwatch.checklogs import smallest_band_from_files
 
         pool, context = smallest_band_from_files(args.from_logs)
-        return aim(pool, context)
+        return aim(pool, context), pool
     raise ProbeError(
         "say how long: --prompt-tokens, --pool-tokens with --context-tokens, or --from-logs"
     )
@@ -371,7 +414,7 @@ def main(args: argparse.Namespace) -> int:
     progress = Progress(enabled=not args.json and sys.stderr.isatty())
     api = HttpApi(args.url, args.api, args.timeout, args.model)
     try:
-        target = target_from_args(args)
+        target, pool = target_from_args(args)
         counter = load_tokenizer(args.tokenizer) if args.tokenizer else None
         report = run(
             api,
@@ -381,6 +424,7 @@ def main(args: argparse.Namespace) -> int:
             marker_repeats=args.marker_repeats,
             count_tokens=counter,
             progress=progress,
+            pool_tokens=pool,
         )
     except ProbeError as exc:
         progress.done()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from minipd.config import Faults, ServeConfig
 from minipd.releases import LATEST, RELEASES
+from minipd.tokenizer import PIECE_BYTES
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,6 +25,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--context-length", type=int, default=32768)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument(
+        "--ffn-width",
+        type=int,
+        default=0,
+        help="a feed-forward block of this width per layer, so prefill costs what a wider model"
+        " costs (0: attention only, the fastest)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--kv-hold-timeout", type=float, default=30.0)
@@ -31,6 +39,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--kvwatch", choices=["off", "log", "enforce"], default="off")
     p.add_argument("--kvwatch-spool", default=None)
     p.add_argument("--log-dir", default=None)
+    p.add_argument(
+        "--tokenizer-piece-bytes",
+        type=int,
+        default=PIECE_BYTES,
+        help="longest word piece one token holds (smaller: more tokens per word)",
+    )
     p.add_argument("--fault-late-write", type=int, default=0, metavar="N")
     p.add_argument("--fault-late-write-delay", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--fault-drop-page", type=int, default=0, metavar="N")
@@ -59,6 +73,8 @@ def config_from(args: argparse.Namespace) -> ServeConfig:
         kvwatch=args.kvwatch,
         kvwatch_spool=args.kvwatch_spool,
         log_dir=args.log_dir,
+        tokenizer_piece_bytes=args.tokenizer_piece_bytes,
+        ffn_width=args.ffn_width,
         faults=Faults(
             late_write=args.fault_late_write,
             late_write_delay=args.fault_late_write_delay,
@@ -86,6 +102,10 @@ def _check(parser: argparse.ArgumentParser, cfg: ServeConfig) -> None:
         parser.error("each KV pool needs at least one page")
     if cfg.context_length < 1 or cfg.transfer_timeout <= 0 or cfg.kv_hold_timeout <= 0:
         parser.error("--context-length and the timeouts must be positive")
+    if cfg.ffn_width < 0:
+        parser.error("--ffn-width must be >= 0")
+    if not 1 <= cfg.tokenizer_piece_bytes <= PIECE_BYTES:
+        parser.error(f"--tokenizer-piece-bytes must be in 1..{PIECE_BYTES}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

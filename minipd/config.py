@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from minipd.releases import Release, release
-from minipd.tokenizer import DIGITS
+from minipd.tokenizer import DIGITS, PIECE_BYTES
 
 
 def head_dim_for(context_tokens: int) -> int:
@@ -48,6 +48,8 @@ class ServeConfig:
     kvwatch: str = "off"
     kvwatch_spool: str | None = None
     log_dir: str | None = None
+    tokenizer_piece_bytes: int = PIECE_BYTES
+    ffn_width: int = 0  # a feed-forward block of this width per layer (0: attention only)
     faults: Faults = field(default_factory=Faults)
 
     @property

@@ -82,7 +82,9 @@ class DecodeWorker:
         self.pool = KVPool(buffers, cfg.page_size)
         self.pool_tokens = self.pool.num_pages * cfg.page_size
         self.free = FreeList(self.pool.num_pages)
-        self.model = ReciteModel(cfg.head_dim, self.pool.device)
+        self.model = ReciteModel(
+            cfg.head_dim, self.pool.device, ffn_width=cfg.ffn_width, layers=cfg.layers
+        )
         self.watch: KVWatch | None = make_watch(
             cfg, "decode", describe(self.pool, tags), self.pool_tokens
         )

@@ -27,7 +27,9 @@ _MAX_DIGIT = 65535
 
 
 class ReciteModel:
-    def __init__(self, head_dim: int, device: torch.device) -> None:
+    def __init__(
+        self, head_dim: int, device: torch.device, *, ffn_width: int = 0, layers: int = 1
+    ) -> None:
         self.head_dim = head_dim
         self.frequencies = head_dim // 2
         self.device = device
@@ -37,6 +39,18 @@ class ReciteModel:
         self._sin = torch.empty(0, self.frequencies)
         self._key = torch.zeros(head_dim, dtype=torch.float32, device=device)
         self._key[0::2] = 1.0
+        # Optional feed-forward blocks, one per layer, run on every prompt token: prefill then
+        # costs what a model of that width costs, as in a real engine (where a reply that comes
+        # back faster than its prompt's prefill is a finding). Their output fills the value
+        # dimensions the recitation does not read.
+        self._ffn: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if ffn_width > 0 and head_dim > DIGITS:
+            gen = torch.Generator().manual_seed(0)
+            for _ in range(layers):
+                w_in = torch.randn(head_dim, ffn_width, generator=gen)
+                w_out = torch.randn(ffn_width, head_dim - DIGITS, generator=gen)
+                scale = 1.0 / math.sqrt(ffn_width)
+                self._ffn.append((w_in.to(device) * scale, w_out.to(device) * scale))
 
     def _rotary(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos.shape[0] < positions:
@@ -52,6 +66,11 @@ class ReciteModel:
         values = torch.zeros(n, 1, self.head_dim, dtype=torch.float32, device=self.device)
         digits = torch.from_numpy(rows.astype(np.float32)).to(self.device)
         values[:, 0, :DIGITS] = digits
+        hidden = values[:, 0, :] / _MAX_DIGIT
+        for w_in, w_out in self._ffn:
+            hidden = torch.cat([hidden[:, :DIGITS], torch.relu(hidden @ w_in) @ w_out], dim=1)
+        if self._ffn:
+            values[:, 0, DIGITS:] = hidden[:, DIGITS:]
         keys = self._key.expand(n, 1, self.head_dim)
         return keys, values
 

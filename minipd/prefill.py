@@ -81,7 +81,7 @@ class PrefillWorker:
         self.decode_pool = KVPool(decode_buffers, cfg.page_size)
         # Our description of decode's pool, for the page tags we write with the KV.
         self.decode_view = PagedKVPool(decode_buffers, cfg.page_size, tag_store=decode_tags)
-        self.model = ReciteModel(cfg.head_dim, device)
+        self.model = ReciteModel(cfg.head_dim, device, ffn_width=cfg.ffn_width, layers=cfg.layers)
         self.watch: KVWatch | None = make_watch(
             cfg, "prefill", describe(self.pool), self.pool_tokens
         )

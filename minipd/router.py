@@ -72,7 +72,7 @@ class Router:
             return error(400, "invalid sampling_params")
         if max_new < 1:
             return error(400, "max_new_tokens must be >= 1")
-        rows = tokenizer.encode(text)
+        rows = tokenizer.encode(text, self.cfg.tokenizer_piece_bytes)
         n = len(rows)
         rid = self._rid()
         status, reply = self._handoff(rid, rows, max_new)

@@ -25,24 +25,27 @@ _BIG_ENDIAN_U16 = np.dtype(">u2")
 Rows = npt.NDArray[np.uint16]
 
 
-def _word_bytes(word: str) -> bytes:
+def _word_bytes(word: str, piece_bytes: int = PIECE_BYTES) -> bytes:
     raw = word.encode()
     out = bytearray()
-    for start in range(0, len(raw), PIECE_BYTES):
-        piece = raw[start : start + PIECE_BYTES]
+    for start in range(0, len(raw), piece_bytes):
+        piece = raw[start : start + piece_bytes]
         meta = len(piece) | (_CONTINUES if start else 0)
         out += meta.to_bytes(2, "big") + piece.ljust(PIECE_BYTES, b"\0")
     return bytes(out)
 
 
-def encode(text: str) -> Rows:
-    """The ``[tokens, DIGITS]`` uint16 rows of ``text``."""
+def encode(text: str, piece_bytes: int = PIECE_BYTES) -> Rows:
+    """The ``[tokens, DIGITS]`` uint16 rows of ``text``. A smaller ``piece_bytes`` (1 to
+    ``PIECE_BYTES``) splits words into more tokens: a tokenizer that is not a word count."""
+    if not 1 <= piece_bytes <= PIECE_BYTES:
+        raise ValueError(f"piece_bytes must be in 1..{PIECE_BYTES}")
     cache: dict[str, bytes] = {}
     parts = []
     for word in text.split():
         packed = cache.get(word)
         if packed is None:
-            packed = cache[word] = _word_bytes(word)
+            packed = cache[word] = _word_bytes(word, piece_bytes)
         parts.append(packed)
     return from_bytes(b"".join(parts))
 
