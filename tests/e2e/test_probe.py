@@ -36,7 +36,7 @@ def test_0_5_19_is_vulnerable_leaks_a_marker_and_answers_too_fast(tmp_path: Path
     assert code == 3, output
     assert report["status"] == 200
     assert report["leaked_markers"]
-    assert report["too_fast"] is True
+    assert report["too_fast"] is True, report
     assert POOL < report["prompt_tokens"] <= CONTEXT
     assert "word word" not in output  # the filler is never printed
 
