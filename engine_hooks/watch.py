@@ -401,7 +401,10 @@ class KVWatch:
 
     def _flush_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # a snapshot lost now is taken again next interval
+                self.stats.add("hook_errors", ("flush",))
 
     def close(self) -> None:
         """Final snapshot, stop the flush thread, close the spool. Idempotent."""

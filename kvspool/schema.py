@@ -51,7 +51,18 @@ SKIP_REASONS: Final = frozenset(
 )
 QUEUES: Final = frozenset({"prefill_bootstrap", "decode_prealloc", OTHER})
 HOOKS: Final = frozenset(
-    {"alloc", "free", "reserve", "seal", "verify", "step", "resolve", "admission", "startup"}
+    {
+        "alloc",
+        "free",
+        "reserve",
+        "seal",
+        "verify",
+        "step",
+        "resolve",
+        "admission",
+        "startup",
+        "flush",
+    }
 )
 DROP_REASONS: Final = frozenset({"spool_full", "write_error", "oversize", "closed"})
 MODES: Final = frozenset({"off", "log", "enforce"})
