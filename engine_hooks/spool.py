@@ -177,19 +177,36 @@ class SpoolWriter:
             if self._own_segments() >= self.max_segments:
                 self._retry_full = True
                 raise OSError("spool full")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-            fd = os.open(self.segment_path, flags, 0o640)
+            fd = self._create_locked(self.segment_path)
         except OSError:
             self._retry_at = now + _RETRY_SECONDS
             self.dropped["spool_full" if self._retry_full else "write_error"] += 1
             if not self._retry_full:
                 self._segment_index += 1  # never append to a file we did not create
             return False
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._fd = fd
         self._size = 0
         # Each segment starts with who wrote it, so the daemon can label it on its own.
         return self._append(self._frame(schema.HELLO, self.identity)) or True
+
+    @staticmethod
+    def _create_locked(path: Path) -> int:
+        """Create the segment under a private name, lock it, then rename it into place: the
+        daemon never sees a live segment without its lock (it would take it for abandoned)."""
+        private = path.with_name(f".{path.name}.new")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(private, flags, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows the file yet
+            if path.exists():
+                raise FileExistsError(path)
+            os.rename(private, path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(private)
+            raise
+        return fd
 
     def _close_fd(self) -> None:
         if self._fd is not None:

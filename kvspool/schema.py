@@ -154,7 +154,7 @@ def _check_series(items: object, names: dict[str, tuple[str, ...]]) -> None:
 
 def _check_hello(record: dict[str, Any]) -> None:
     _check_strings(record, ("engine", "engine_version", "role", "model"))
-    if type(record.get("rank")) is not int or type(record.get("pid")) is not int:
+    if not all(type(record.get(k)) is int and abs(record[k]) < 1 << 63 for k in ("rank", "pid")):
         raise _malformed("hello needs integer rank and pid")
 
 
@@ -175,7 +175,7 @@ def _check_event(record: dict[str, Any]) -> None:
         or not all(type(p) is int for p in pages)
     ):
         raise _malformed("pages must be at most MAX_EVENT_PAGES integers")
-    if type(record.get("pages_total")) is not int:
+    if type(total := record.get("pages_total")) is not int or abs(total) >= 1 << 63:
         raise _malformed("pages_total must be an integer")
     detail = record.get("detail", {})
     if type(detail) is not dict or not all(type(v) in (int, str) for v in detail.values()):
@@ -202,15 +202,15 @@ def validate(record: object) -> dict[str, Any]:
     version = record.get("v")
     if version != SCHEMA_VERSION or type(version) is not int:
         raise SchemaError("schema", f"unknown schema version {version!r}")
-    check = _CHECKS.get(record.get("type"))  # type: ignore[arg-type]
+    check = _CHECKS.get(kind) if type(kind := record.get("type")) is str else None
     if check is None:
         raise SchemaError("schema", f"unknown record type {record.get('type')!r}")
     producer, seq = record.get("producer"), record.get("seq")
     if type(producer) is not str or len(producer) > MAX_STRING_CHARS:
         raise _malformed("field 'producer' missing, not a string or too long")
-    if type(seq) is not int or seq < 1:
+    if type(seq) is not int or not 0 < seq < 1 << 63:  # SQLite INTEGER
         raise _malformed("seq must be an integer >= 1")
-    if type(record.get("ts")) not in (int, float):
+    if type(record.get("ts")) not in (int, float) or not abs(record["ts"]) < 1e300:  # NaN, inf
         raise _malformed("ts must be a number")
     check(record)
     return record
@@ -220,6 +220,6 @@ def decode_payload(payload: bytes) -> dict[str, Any]:
     """Parse and validate one payload; raises :class:`SchemaError`."""
     try:
         record = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise SchemaError("malformed", f"payload is not JSON: {exc}") from None
     return validate(record)

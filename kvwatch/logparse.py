@@ -30,7 +30,7 @@ ROLE_PREFIX: Final = re.compile(r"^\s*(prefill|decode|unified)\s*:\s*", re.IGNOR
 _SG_POOL = re.compile(r"\bmax_total_num_tokens\s*=\s*" + _NUM)
 _SG_CONTEXT = re.compile(r"\bcontext_len\s*=\s*" + _NUM)
 _SG_PAGE = re.compile(r"\bpage_size\s*=\s*" + _NUM)
-_TP = re.compile(r"\bTP\s*(\d+)\b")
+_TP = re.compile(r"\bTP\s*(\d{1,9})\b")
 _VL_KV = re.compile(r"GPU KV cache size:\s*" + _NUM + r"\s*tokens", re.IGNORECASE)
 _VL_CONCURRENCY = re.compile(r"Maximum concurrency for\s*" + _NUM + r"\s*tokens per request")
 _VL_BLOCKS = re.compile(r"#\s*GPU blocks:\s*" + _NUM)
@@ -72,6 +72,8 @@ class Reading:
 
 
 def _int(text: str) -> int:
+    if len(text) > 64:  # int() refuses > 4300 digits; no real count needs 64
+        raise LineError("number too long")
     return int(text.replace(",", "").replace("_", ""))
 
 

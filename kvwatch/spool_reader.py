@@ -517,7 +517,7 @@ def _decode(payload: bytes) -> dict[str, Any]:
     try:
         text = payload.decode()
         record, end = _scan(text, 0)
-    except (ValueError, StopIteration):
+    except (ValueError, StopIteration, RecursionError):
         return decode_payload(payload)
     if end != len(text):
         return decode_payload(payload)

@@ -1,0 +1,125 @@
+"""Shared helpers for the reliability suite and bench/soak.py: an engine-like producer loop that
+times every spool append, a /metrics parser, and the daemon's resident memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.kvwatch.daemonproc import REPO, DaemonProcess
+from tests.kvwatch.writer import spool_module
+
+__all__ = ["REPO", "DaemonProcess", "append_latencies", "metric", "percentiles", "rss_kib"]
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def event_fields(i: int) -> dict[str, Any]:
+    """A detection event like the engine hooks write (no prompt text: ids and counts only)."""
+    return {
+        "detector": "canary",
+        "kind": "unwritten_page",
+        "mode": "log",
+        "action": "logged",
+        "request_id": f"req-{i}",
+        "pages": [i % 4096, 7],
+        "pages_total": 2,
+        "detail": {"unwritten": 1},
+    }
+
+
+def append_latencies(
+    spool: str | os.PathLike[str],
+    count: int,
+    *,
+    rate: float = 0.0,
+    writer: Any = None,
+) -> tuple[list[int], Any]:
+    """Append ``count`` records, timing each ``write`` in ns; ``rate`` (records/s) paces them."""
+    if writer is None:
+        writer = spool_module().SpoolWriter(
+            spool, engine="sglang", role="decode", model="m", max_segments=100_000
+        )
+    out = [0] * count
+    clock = time.perf_counter_ns
+    interval = int(1e9 / rate) if rate else 0
+    next_at = clock()
+    for i in range(count):
+        fields = event_fields(i)
+        t0 = clock()
+        writer.write("event", fields)
+        out[i] = clock() - t0
+        if interval:
+            next_at += interval
+            pause = next_at - clock()
+            if pause > 0:
+                time.sleep(pause / 1e9)
+    return out, writer
+
+
+def percentiles(samples_ns: list[int]) -> dict[str, float]:
+    """p50, p99, p99.9 and max of ``samples_ns``, in microseconds."""
+    s = sorted(samples_ns)
+    n = len(s)
+
+    def at(q: float) -> float:
+        return s[min(n - 1, int(q * n))] / 1000.0
+
+    return {"p50_us": at(0.5), "p99_us": at(0.99), "p999_us": at(0.999), "max_us": s[-1] / 1000.0}
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in a /metrics text, or None when absent."""
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            return float(m.group(3))
+    return None
+
+
+def series(text: str) -> int:
+    """Number of samples (series) in a /metrics text."""
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def run_latency_child(spool: Path, count: int, rate: float) -> dict[str, Any]:
+    """Run the timing loop in a fresh engine-like process; returns its percentiles."""
+    code = (
+        "import json,sys;from tests.reliability.tools import append_latencies,percentiles;"
+        "s,w=append_latencies(sys.argv[1],int(sys.argv[2]),rate=float(sys.argv[3]));"
+        "print(json.dumps({**percentiles(s),'dropped':dict(w.dropped),'n':len(s)}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(spool), str(count), str(rate)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return dict(json.loads(out.stdout))
