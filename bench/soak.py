@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -32,28 +30,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.reliability.soak import soak
-from tests.reliability.tools import DaemonProcess, run_latency_child
+from tests.reliability.tools import latency_under_daemon_conditions
 
 
 def latency(seconds: float, rate: float) -> dict[str, dict[str, object]]:
-    count = int(seconds * rate)
-    results: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = DaemonProcess(Path(tmp), "--no-nvml", "--idle-grace", "0.5")
-        try:
-            daemon.wait_started()
-            results["running"] = run_latency_child(daemon.spool, count, rate)
-            os.kill(daemon.proc.pid, signal.SIGSTOP)
-            try:
-                results["sigstop"] = run_latency_child(daemon.spool, count, rate)
-            finally:
-                os.kill(daemon.proc.pid, signal.SIGCONT)
-            daemon.kill9()
-            results["killed"] = run_latency_child(daemon.spool, count, rate)
-        finally:
-            if daemon.proc.poll() is None:
-                daemon.kill9()
-    return results
+        return latency_under_daemon_conditions(Path(tmp), int(seconds * rate), rate)
 
 
 def main() -> None:

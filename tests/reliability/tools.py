@@ -123,3 +123,27 @@ def run_latency_child(spool: Path, count: int, rate: float) -> dict[str, Any]:
         check=True,
     )
     return dict(json.loads(out.stdout))
+
+
+def latency_under_daemon_conditions(
+    workdir: Path, count: int, rate: float
+) -> dict[str, dict[str, Any]]:
+    """Append latency with the daemon running, stopped by SIGSTOP, and killed (case 1)."""
+    import signal
+
+    daemon = DaemonProcess(workdir, "--no-nvml", "--idle-grace", "0.5")
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        daemon.wait_started()
+        results["running"] = run_latency_child(daemon.spool, count, rate)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            results["sigstop"] = run_latency_child(daemon.spool, count, rate)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.kill9()
+        results["killed"] = run_latency_child(daemon.spool, count, rate)
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.kill9()
+    return results
