@@ -22,6 +22,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 import kvspool
 from kvspool import schema
 
@@ -29,6 +31,10 @@ DEFAULT_SPOOL_DIR = "/run/kvwatch/spool"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 # After a failure to open a segment, wait this long before trying again.
 _RETRY_SECONDS = 1.0
+# The same compact JSON as kvspool.schema.encode_payload, about 8x faster than the stdlib's
+# (msgspec ships with both SGLang and vLLM). It writes NaN and infinities as null, which the
+# daemon's validate() rejects as malformed and counts: the loss stays visible.
+_encode_payload = msgspec.json.Encoder().encode
 
 
 class SpoolWriter:
@@ -103,11 +109,15 @@ class SpoolWriter:
 
     def _frame(self, record_type: str, fields: dict[str, Any]) -> bytes:
         self._seq += 1
-        record = {"v": schema.SCHEMA_VERSION, "type": record_type, "producer": self.producer}
-        record.update(fields)
-        record["seq"] = self._seq
-        record["ts"] = time.time()
-        return kvspool.encode_frame(schema.encode_payload(record))
+        record = {
+            "v": schema.SCHEMA_VERSION,
+            "type": record_type,
+            "producer": self.producer,
+            **fields,
+            "seq": self._seq,
+            "ts": time.time(),
+        }
+        return kvspool.encode_frame(_encode_payload(record))
 
     def _write_locked(self, record_type: str, fields: dict[str, Any]) -> bool:
         if self._closed:

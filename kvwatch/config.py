@@ -92,6 +92,8 @@ _DURATIONS: Final = {"retention", "records_retention", "poll_interval", "idle_gr
 def _uid(user: object) -> int:
     if isinstance(user, int) and not isinstance(user, bool):
         return user
+    if isinstance(user, str) and user.isdigit():
+        return int(user)  # a numeric uid, as --allowed-user documents: no passwd entry needed
     try:
         return pwd.getpwnam(str(user)).pw_uid
     except KeyError:

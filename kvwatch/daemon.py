@@ -20,7 +20,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from kvwatch import __version__
 from kvwatch.config import Config, parse_listen
-from kvwatch.journal import Journal
+from kvwatch.journal import MAX_RETIRED_PRODUCERS, Journal
 from kvwatch.logwatch import LogWatcher
 from kvwatch.metrics import KvwatchCollector
 from kvwatch.nvml import Nvml
@@ -29,6 +29,8 @@ from kvwatch.statuspage import make_app, serve_wsgi
 
 #: How often old journal rows are pruned.
 PRUNE_SECONDS: Final = 600.0
+#: ... and how often while more producers are kept than the journal's MAX_RETIRED_PRODUCERS.
+CROWDED_PRUNE_SECONDS: Final = 60.0
 MAX_BACKOFF: Final = 5.0
 
 
@@ -56,6 +58,7 @@ class Daemon:
         self.stop = threading.Event()
         self.server: Any = None
         self._next_prune = 0.0
+        self._last_prune = 0.0
         self._failures = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -143,8 +146,11 @@ class Daemon:
                 self.log.error("logs.poll_failed", error=str(exc), error_type=type(exc).__name__)
             self._done("logs", ok, started)
         now = time.time()
-        if now >= self._next_prune:
+        # Many producers (engine restarts, or a writer minting ids): fold retired ones sooner.
+        crowded = len(self.state.producers) > MAX_RETIRED_PRODUCERS
+        if now >= self._next_prune or (crowded and now >= self._last_prune + CROWDED_PRUNE_SECONDS):
             self._next_prune = now + PRUNE_SECONDS
+            self._last_prune = now
             started = time.perf_counter()
             try:
                 deleted = self.journal.prune(

@@ -30,6 +30,11 @@ from kvwatch.state import (
 )
 
 SCHEMA_VERSION: Final = 1
+#: Retired producers kept in memory (and in the producers table) before the oldest are folded.
+MAX_RETIRED_PRODUCERS: Final = 1024
+#: A retired producer is never folded sooner: one whose spool directory was removed comes back
+#: with new segments within seconds, and folding it would count its counters twice.
+RETIRED_GRACE: Final = 600.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -172,9 +177,13 @@ class Journal:
                 state.models(producer.model)
                 state.versions(producer.engine_version)
                 state.ranks(producer.rank)
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'next_producer_id'").fetchone()
+        if row is not None:
+            state.next_producer_id = max(state.next_producer_id, int(row[0]))
+        # Removed segments stay in the table for the retention, not in memory.
         for row in self.db.execute(
             "SELECT id, name, producer, idx, offset, sealed, finished, removed, rejects"
-            " FROM segments"
+            " FROM segments WHERE removed = 0"
         ):
             segment = Segment(
                 name=row[1],
@@ -188,7 +197,7 @@ class Journal:
                 rejects=row[8],
             )
             state.segments[segment.name] = segment
-            state.next_segment_id = max(state.next_segment_id, segment.id + 1)
+        state.next_segment_id = int(self.scalar("SELECT coalesce(max(id), 0) FROM segments")) + 1
         for name, labels, value in self.db.execute("SELECT name, labels, value FROM counters"):
             key = (name, _labels_key(labels))
             if name.startswith("base:"):
@@ -249,10 +258,20 @@ class Journal:
                 db.execute("ROLLBACK")
             raise
 
-    def prune(self, state: State, *, now: float, retention: float, records_retention: float) -> int:
-        """Drop what is older than the retention; fold pruned producers' counters into the base.
+    def prune(
+        self,
+        state: State,
+        *,
+        now: float,
+        retention: float,
+        records_retention: float,
+        max_retired: int = MAX_RETIRED_PRODUCERS,
+    ) -> int:
+        """Drop what is older than the retention; fold retired producers' counters into the base.
 
-        Returns the number of rows deleted.
+        A retired producer (no segment left: its process is gone) is folded once its accounting
+        rows are gone, or earlier, oldest first, while more than ``max_retired`` are kept: the
+        daemon's memory must not grow with every engine restart. Returns the rows deleted.
         """
         cutoff = now - retention
         deleted = 0
@@ -261,13 +280,29 @@ class Journal:
             db.execute("BEGIN IMMEDIATE")
             for table in ("incidents", "rejects", "gaps"):
                 deleted += db.execute(f"DELETE FROM {table} WHERE ts < ?", (cutoff,)).rowcount
+            # Rows are appended in commit order, so their rowids follow time (closely enough: a
+            # skewed producer clock only delays a deletion): delete below the first row inside
+            # the retention. A plain "WHERE ts < ?" scans the whole table (no index on ts, which
+            # every insert would pay for), stalling the reader for seconds.
             deleted += db.execute(
-                "DELETE FROM records WHERE ts < ?", (now - records_retention,)
+                "DELETE FROM records WHERE rowid < coalesce("
+                " (SELECT rowid FROM records WHERE ts >= ? ORDER BY rowid LIMIT 1),"
+                " (SELECT max(rowid) + 1 FROM records))",
+                (now - records_retention,),
             ).rowcount
             deleted += db.execute(
                 "DELETE FROM segments WHERE removed = 1 AND updated < ?", (cutoff,)
             ).rowcount
-            gone = [p for p in state.producers.values() if p.retired and p.retired_at < cutoff]
+            retired = sorted(
+                (p for p in state.producers.values() if p.retired), key=lambda p: p.retired_at
+            )
+            excess = len(retired) - max_retired
+            fold_before = now - min(retention, records_retention)
+            gone = [
+                p
+                for i, p in enumerate(retired)
+                if p.retired_at < fold_before or (i < excess and p.retired_at < now - RETIRED_GRACE)
+            ]
             folded: Totals = totals()
             for producer in gone:
                 for family, labels, value in producer_counter_series(producer):
@@ -281,6 +316,11 @@ class Journal:
                 [("base:" + f, _labels_text(k), base[(f, k)]) for f, k in folded],
             )
             db.executemany("DELETE FROM producers WHERE id = ?", [(p.id,) for p in gone])
+            # A folded producer's id may still be on its records rows: never hand it out again.
+            db.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('next_producer_id', ?)",
+                (str(state.next_producer_id),),
+            )
             deleted += len(gone)
             db.execute("COMMIT")
         except BaseException:

@@ -77,9 +77,12 @@ class SpoolReader:
         *,
         allowed_uids: Collection[int] | None = None,
         idle_grace: float = 5.0,
-        batch_records: int = 8192,
+        # Small batches and reads keep the memory a backlog takes small: what a catch-up
+        # allocates, the allocators keep (8,192 and 1 MiB let the daemon's resident memory
+        # ratchet up by megabytes after each stall).
+        batch_records: int = 2048,
         poll_records: int = 32768,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = 256 << 10,
         quarantine_dir: str | os.PathLike[str] | None = None,
         quarantine_max: int = 32,
     ) -> None:
@@ -146,7 +149,8 @@ class SpoolReader:
                     producers = {SEGMENT_NAME.match(n).group(1) for n in present}  # type: ignore[union-attr]
                     self._retire(producers, present)
                 self._commit()
-                self.state.lag_bytes = self._lag(sizes)
+                self.state.lag_bytes = self._lag(sizes)  # before a removed name is forgotten
+                self._forget_removed()
                 self.state.live_producers = len(live)
         except BaseException:
             self._reload()
@@ -478,6 +482,14 @@ class SpoolReader:
                 continue
             segment.removed = True
             self._batch.segments[segment.name] = segment
+
+    def _forget_removed(self) -> None:
+        """A removed segment stays in the journal for the retention, not in memory (which would
+        grow with every segment ever read). A file that comes back under a removed name is read
+        as new: its records are rejected by their producer's sequence numbers and counted."""
+        segments = self.state.segments
+        for name in [name for name, segment in segments.items() if segment.removed]:
+            del segments[name]
 
     def _quarantine(self, path: Path) -> None:
         assert self.quarantine_dir is not None

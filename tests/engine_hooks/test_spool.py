@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import kvspool
 from engine_hooks import SpoolWriter
 from engine_hooks.testing import read_segment, read_spool
 from kvspool import schema
@@ -157,3 +158,23 @@ def test_rotation_seals_a_segment_and_names_the_next(tmp_path: Path) -> None:
     assert read_segment(segments[1]).records[0]["type"] == "hello"
     seqs = [r["seq"] for r in read_spool(tmp_path).records]
     assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_the_payload_is_the_schemas_json_and_a_non_finite_value_is_rejected(
+    tmp_path: Path,
+) -> None:
+    w = writer(tmp_path)
+    w.write(schema.GAUGES, {"gauges": [["kv_pool_tokens", {}, 4096.0]]})
+    w.write(schema.GAUGES, {"gauges": [["kv_pool_tokens", {}, float("nan")]]})
+    w.write(schema.EVENT, event(1))
+    w.close()
+    data = w.segment_path.read_bytes()
+    frames = [f.payload for f in kvspool.iter_frames(data)]
+    # The fast encoder writes exactly what kvspool.schema.encode_payload would.
+    first = schema.decode_payload(frames[1] or b"")
+    assert frames[1] == schema.encode_payload(first)
+    # NaN cannot be JSON: it arrives as null, which validate() refuses (the daemon counts it as
+    # malformed); the records around it are intact.
+    contents = read_spool(tmp_path)
+    assert contents.errors == {"malformed": 1}
+    assert [r["type"] for r in contents.records] == ["hello", "gauges", "event"]

@@ -70,3 +70,10 @@ def test_durations_and_log_flags() -> None:
     assert (flag.role, flag.engine, flag.path) == ("decode", "vllm", "/var/log/d.log")
     assert parse_log_flag("prefill:/p.log").path == "/p.log"
     assert parse_log_flag("/only.log").role == "other"
+
+
+def test_allowed_users_take_names_and_numeric_uids(tmp_path: Path) -> None:
+    path = tmp_path / "kvwatch.toml"
+    # A uid as a string (as --allowed-user passes it) needs no passwd entry: 54321 has none.
+    path.write_text("allowed_users = ['root', '54321', 65534]\n")
+    assert load(path).uids() == [0, 54321, 65534]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.journal import Journal, JournalError
+from kvwatch.journal import RETIRED_GRACE, Journal, JournalError
 from kvwatch.spool_reader import SpoolReader
 from tests.kvwatch.spoolgen import T0, Producer
 
@@ -53,3 +53,72 @@ def test_incident_filters(spool: Path, journal: Journal) -> None:
     assert [i["request_id"] for i in journal.incidents(detector="page_tag")] == ["b"]
     assert journal.incidents(since=time.time()) == []
     assert len(journal.incidents(since=T0)) == 2
+
+
+def test_memory_keeps_neither_removed_segments_nor_too_many_retired_producers(
+    spool: Path, journal: Journal
+) -> None:
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=0.0)
+    producers = [Producer(spool, f"sglang-decode-r0-{100 + i}-aaaa0001") for i in range(12)]
+    for p in producers:
+        p.append(p.hello(), p.counters(10))
+    reader.poll()
+    # Every segment was read and removed: the journal keeps the rows, memory does not.
+    assert state.segments == {}
+    assert journal.scalar("SELECT count(*) FROM segments WHERE removed = 1") == 12
+    assert journal.load().segments == {}
+    assert all(p.retired for p in state.producers.values())
+    key = ("kvwatch_verifications", ("canary", "decode"))
+    assert state.hook_counter_totals()[key] == 120
+
+    # Within the grace nothing is folded, however many there are.
+    journal.prune(state, now=time.time(), retention=86400, records_retention=86400, max_retired=5)
+    assert len(state.producers) == 12
+    newest = max(state.producers.values(), key=lambda p: p.id)
+    newest.retired_at -= 60  # retired first: folded first, and its id is the highest
+    later = time.time() + RETIRED_GRACE + 1
+    journal.prune(state, now=later, retention=86400, records_retention=86400, max_retired=5)
+    assert newest.name not in state.producers
+    assert len(state.producers) == 5  # the oldest 7 folded into the base
+    assert state.hook_counter_totals()[key] == 120
+    assert journal.load().hook_counter_totals()[key] == 120
+    assert len(journal.load().producers) == 5
+    # The folded producers' ids are on their records rows still: a restart never reuses them.
+    assert journal.load().next_producer_id == 13
+
+
+def test_a_replayed_removed_segment_is_rejected_by_sequence(spool: Path, journal: Journal) -> None:
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=0.0)
+    p = Producer(spool)
+    p.append(p.hello(), p.counters(5))
+    copy = p.path.read_bytes()
+    reader.poll()
+    assert not p.path.exists() and state.segments == {}
+    p.path.write_bytes(copy)  # the same segment again, under its old name
+    reader.poll()
+    assert state.daemon[("spool_rejected", ("sequence",))] == 2
+    assert journal.scalar("SELECT count(*) FROM records") == 2
+
+
+def test_segments_read_and_removed_in_one_poll_are_no_lag(spool: Path, journal: Journal) -> None:
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600)
+    p = Producer(spool)
+    p.append(p.hello(), p.event("a"), p.seal())
+    p.index += 1
+    p.append(p.hello(), p.event("b"))
+    reader.poll()
+    # The sealed segment was read and removed; the live one is read to its end.
+    assert [s.index for s in state.segments.values()] == [1]
+    assert state.lag_bytes == 0
+
+
+def test_prune_deletes_only_the_records_rows_past_their_retention(journal: Journal) -> None:
+    now = time.time()
+    rows = [(1, i, "event", now - 100 + i) for i in range(100)]  # ts from now-100 to now-1
+    journal.db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", rows)
+    journal.prune(journal.load(), now=now, retention=86400, records_retention=30)
+    kept = [r[0] for r in journal.db.execute("SELECT seq FROM records ORDER BY rowid")]
+    assert kept == list(range(70, 100))  # ts >= now - 30

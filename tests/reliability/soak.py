@@ -16,11 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.reliability.tools import REPO, DaemonProcess, metric, rss_kib, wait_for
+from tests.reliability.tools import REPO, DaemonProcess, memory_kib, metric, wait_for
 
 
 def soak(
-    seconds: float, rate: float, producers: int, warmup: float, workdir: Path | None = None
+    seconds: float,
+    rate: float,
+    producers: int,
+    warmup: float,
+    workdir: Path | None = None,
+    samples_path: Path | None = None,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         root = workdir or Path(tmp)
@@ -52,10 +57,14 @@ def soak(
             while any(p.poll() is None for p in procs):
                 time.sleep(1.0)
                 text = daemon.scrape()
+                memory = memory_kib(daemon.proc.pid)
                 samples.append(
                     {
                         "t": round(time.monotonic() - start, 1),
-                        "rss_kib": rss_kib(daemon.proc.pid),
+                        "rss_kib": memory["VmRSS"],
+                        "anon_kib": memory["RssAnon"],
+                        "file_kib": memory["RssFile"],
+                        "shmem_kib": memory["RssShmem"],
                         "lag_bytes": metric(text, "kvwatch_spool_lag_bytes") or 0.0,
                         # Records are written all the time: the newest committed one's age is
                         # how far the daemon is behind the engines (plus its poll interval).
@@ -79,8 +88,11 @@ def soak(
                 if p.poll() is None:
                     p.kill()
             daemon.kill9()
+    if samples_path is not None:
+        samples_path.write_text("".join(json.dumps(s) + "\n" for s in samples))
     steady = [s for s in samples if s["t"] >= warmup] or samples
     rss_start, rss_end = steady[0]["rss_kib"], steady[-1]["rss_kib"]
+    parts = ("anon_kib", "file_kib", "shmem_kib")
     return {
         "seconds": seconds,
         "rate": rate,
@@ -94,6 +106,9 @@ def soak(
         "rss_kib_end": rss_end,
         "rss_kib_max": max(s["rss_kib"] for s in steady),
         "rss_growth_pct": round(100.0 * (rss_end - rss_start) / rss_start, 2),
+        # Which part grew: the heap (anonymous memory), or mapped files and shared memory.
+        "rss_parts_start": {k: steady[0][k] for k in parts},
+        "rss_parts_end": {k: steady[-1][k] for k in parts},
         "max_lag_bytes": max(s["lag_bytes"] for s in samples),
         "max_lag_seconds": round(max(s["lag_seconds"] for s in samples[1:] or samples), 3),
         "catch_up_seconds": round(catch_up, 2),

@@ -15,7 +15,15 @@ from typing import Any
 from tests.kvwatch.daemonproc import REPO, DaemonProcess
 from tests.kvwatch.writer import spool_module
 
-__all__ = ["REPO", "DaemonProcess", "append_latencies", "metric", "percentiles", "rss_kib"]
+__all__ = [
+    "REPO",
+    "DaemonProcess",
+    "append_latencies",
+    "memory_kib",
+    "metric",
+    "percentiles",
+    "rss_kib",
+]
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
@@ -34,14 +42,36 @@ def event_fields(i: int) -> dict[str, Any]:
     }
 
 
+class RawAppend:
+    """The baseline for the writer's latency: the bare ``os.write`` of a ready-made frame of
+    the same size on an ``O_APPEND`` file in the same directory. What the writer adds on top is
+    its own cost; what this shows is the machine's (the system call and the VM's noise)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        path = Path(directory) / "baseline.raw"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
+        self.frame = b"K" * 300  # about one event record, framed
+        self.dropped: dict[str, int] = {}
+
+    def write(self, _kind: str, _fields: dict[str, Any]) -> bool:
+        return os.write(self.fd, self.frame) == len(self.frame)
+
+
 def append_latencies(
     spool: str | os.PathLike[str],
     count: int,
     *,
     rate: float = 0.0,
+    pace: str = "busy",
     writer: Any = None,
 ) -> tuple[list[int], Any]:
-    """Append ``count`` records, timing each ``write`` in ns; ``rate`` (records/s) paces them."""
+    """Append ``count`` records, timing each ``write`` in ns; ``rate`` (records/s) paces them.
+
+    ``pace="busy"`` keeps the thread working between appends, as an engine's scheduler thread
+    does between hook calls; ``pace="sleep"`` sleeps instead, so each append also pays for the
+    CPU waking up (on a VM, the vCPU halting and being rescheduled).
+    """
     if writer is None:
         writer = spool_module().SpoolWriter(
             spool, engine="sglang", role="decode", model="m", max_segments=100_000
@@ -49,6 +79,7 @@ def append_latencies(
     out = [0] * count
     clock = time.perf_counter_ns
     interval = int(1e9 / rate) if rate else 0
+    work = list(range(2000))
     next_at = clock()
     for i in range(count):
         fields = event_fields(i)
@@ -57,9 +88,13 @@ def append_latencies(
         out[i] = clock() - t0
         if interval:
             next_at += interval
-            pause = next_at - clock()
-            if pause > 0:
-                time.sleep(pause / 1e9)
+            if pace == "sleep":
+                pause = next_at - clock()
+                if pause > 0:
+                    time.sleep(pause / 1e9)
+            else:
+                while clock() < next_at:
+                    sum(work)
     return out, writer
 
 
@@ -92,10 +127,18 @@ def series(text: str) -> int:
 
 
 def rss_kib(pid: int) -> int:
+    return memory_kib(pid)["VmRSS"]
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """Resident memory of ``pid`` in KiB: the total (VmRSS) and its parts: anonymous memory
+    (the heap: what a leak grows), mapped files and shared memory (SQLite's WAL index)."""
+    out = dict.fromkeys(("VmRSS", "RssAnon", "RssFile", "RssShmem"), 0)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+        key, _, value = line.partition(":")
+        if key in out:
+            out[key] = int(value.split()[0])
+    return out
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
@@ -107,15 +150,20 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
     return bool(predicate())
 
 
-def run_latency_child(spool: Path, count: int, rate: float) -> dict[str, Any]:
-    """Run the timing loop in a fresh engine-like process; returns its percentiles."""
+def run_latency_child(
+    spool: Path, count: int, rate: float, pace: str, *, raw: bool = False
+) -> dict[str, Any]:
+    """Run the timing loop in a fresh engine-like process; returns its percentiles. ``raw``
+    times the baseline (:class:`RawAppend`) instead of the SpoolWriter."""
     code = (
-        "import json,sys;from tests.reliability.tools import append_latencies,percentiles;"
-        "s,w=append_latencies(sys.argv[1],int(sys.argv[2]),rate=float(sys.argv[3]));"
+        "import json,sys;from tests.reliability.tools import RawAppend,append_latencies,"
+        "percentiles;w=RawAppend(sys.argv[1]+'-baseline') if sys.argv[5]=='1' else None;"
+        "s,w=append_latencies(sys.argv[1],int(sys.argv[2]),rate=float(sys.argv[3]),"
+        "pace=sys.argv[4],writer=w);"
         "print(json.dumps({**percentiles(s),'dropped':dict(w.dropped),'n':len(s)}))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(spool), str(count), str(rate)],
+        [sys.executable, "-c", code, str(spool), str(count), str(rate), pace, str(int(raw))],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -126,23 +174,25 @@ def run_latency_child(spool: Path, count: int, rate: float) -> dict[str, Any]:
 
 
 def latency_under_daemon_conditions(
-    workdir: Path, count: int, rate: float
+    workdir: Path, count: int, rate: float, pace: str = "busy"
 ) -> dict[str, dict[str, Any]]:
-    """Append latency with the daemon running, stopped by SIGSTOP, and killed (case 1)."""
+    """Append latency with the daemon running, stopped by SIGSTOP, and killed (case 1), after
+    the baseline: the bare ``os.write`` of a frame (``baseline_raw_write``)."""
     import signal
 
     daemon = DaemonProcess(workdir, "--no-nvml", "--idle-grace", "0.5")
     results: dict[str, dict[str, Any]] = {}
     try:
         daemon.wait_started()
-        results["running"] = run_latency_child(daemon.spool, count, rate)
+        results["baseline_raw_write"] = run_latency_child(daemon.spool, count, rate, pace, raw=True)
+        results["running"] = run_latency_child(daemon.spool, count, rate, pace)
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         try:
-            results["sigstop"] = run_latency_child(daemon.spool, count, rate)
+            results["sigstop"] = run_latency_child(daemon.spool, count, rate, pace)
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
         daemon.kill9()
-        results["killed"] = run_latency_child(daemon.spool, count, rate)
+        results["killed"] = run_latency_child(daemon.spool, count, rate, pace)
     finally:
         if daemon.proc.poll() is None:
             daemon.kill9()
