@@ -32,13 +32,21 @@ def probe(url: str, *extra: str) -> tuple[int, dict[str, Any], str]:
 def test_0_5_19_is_vulnerable_leaks_a_marker_and_answers_too_fast(tmp_path: Path) -> None:
     # A wider model, so that prefill costs what it costs in a real engine.
     with MiniPD(["--release", "0.5.19", "--ffn-width", "8192", *ARGS], tmp_path) as pd:
-        code, report, output = probe(pd.url)
-    assert code == 3, output
-    assert report["status"] == 200
-    assert report["leaked_markers"]
-    assert report["too_fast"] is True, report
-    assert POOL < report["prompt_tokens"] <= CONTEXT
-    assert "word word" not in output  # the filler is never printed
+        reports = []
+        # "too fast" is a timing judgement (the reply took 0.15-0.19 of the expected time
+        # here, the line is at 0.5); on a shared 2-core CI machine one stalled reply can hide
+        # it, so one more probe is allowed for that figure. Everything else holds every time.
+        for _attempt in range(2):
+            code, report, output = probe(pd.url)
+            assert code == 3, output
+            assert report["status"] == 200
+            assert report["leaked_markers"]
+            assert POOL < report["prompt_tokens"] <= CONTEXT
+            assert "word word" not in output  # the filler is never printed
+            reports.append(report)
+            if report["too_fast"]:
+                break
+    assert reports[-1]["too_fast"] is True, reports
 
 
 def test_0_5_20_and_0_5_22_refuse(tmp_path: Path) -> None:
