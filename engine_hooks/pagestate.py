@@ -46,8 +46,16 @@ def page_state(pool: PagedKVPool) -> PageState:
     return HostPages(pool) if pool.is_cpu else DevicePages(pool)
 
 
+def _kernels_available(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return False  # the kernels run on CPU only when asked for (kernel=True, interpreter)
+    from engine_hooks import kernels
+
+    return kernels.available(device)
+
+
 class DevicePages:
-    def __init__(self, pool: PagedKVPool) -> None:
+    def __init__(self, pool: PagedKVPool, *, kernel: bool | None = None) -> None:
         self.pool = pool
         n, device = pool.num_pages, pool.device
         self.generation = torch.zeros(n, dtype=torch.int64, device=device)
@@ -55,6 +63,8 @@ class DevicePages:
         self.free = torch.zeros(n, dtype=torch.bool, device=device)
         self.stamp_area = pool.page_views[0][:, : canary.STAMP_BYTES]
         self._one = torch.ones(1, dtype=torch.int64, device=device)
+        # The batched checks as one Triton launch each where triton runs on this device.
+        self.kernels = kernel if kernel is not None else _kernels_available(device)
 
     def index(self, pages: PageIds) -> torch.Tensor:
         return self.pool.as_index(pages)
@@ -75,6 +85,10 @@ class DevicePages:
 
     def stale(self, pages: Ints, expected: Ints) -> torch.Tensor:
         index, want = torch.as_tensor(pages), torch.as_tensor(expected)
+        if self.kernels:
+            from engine_hooks.kernels import stale_tags
+
+            return stale_tags(self.generation, self.written, index, want)
         return (self.generation.index_select(0, index) != want) | (
             self.written.index_select(0, index) != want
         )
@@ -94,9 +108,32 @@ class DevicePages:
         )
 
     def stamp(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> None:
+        if self.kernels:
+            from engine_hooks.kernels import canary as kernel
+
+            kernel(
+                self.stamp_area,
+                torch.as_tensor(pages),
+                torch.as_tensor(gens),
+                purpose,
+                self.pool.kv_dtype,
+                stamp=True,
+            )
+            return
         self.stamp_area[torch.as_tensor(pages)] = self._stamps(pages, gens, purpose)
 
     def intact(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> torch.Tensor:
+        if self.kernels:
+            from engine_hooks.kernels import canary as kernel
+
+            return kernel(
+                self.stamp_area,
+                torch.as_tensor(pages),
+                torch.as_tensor(gens),
+                purpose,
+                self.pool.kv_dtype,
+                stamp=False,
+            )
         current = self.stamp_area.index_select(0, torch.as_tensor(pages))
         return (current == self._stamps(pages, gens, purpose)).all(dim=1)
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_hooks.checksum import AdlerState, adler32_chunks, tensor_buffer
+
+if TYPE_CHECKING:
+    from engine_hooks.kernels import SealKernel
 
 PageIds = Sequence[int] | torch.Tensor
 
@@ -78,6 +82,7 @@ class PagedKVPool:
             raise ValueError("tag_store must be an int64 tensor with one entry per page")
         self.tag_store = tag_store
         self._buffers_mv = [tensor_buffer(p) for p in pages] if self.device.type == "cpu" else []
+        self._seal_kernel: SealKernel | None = None
 
     @property
     def is_cpu(self) -> bool:
@@ -108,11 +113,7 @@ class PagedKVPool:
         computed on the device and only the 4-byte result reaches the host.
         """
         if not self.is_cpu:
-            state = AdlerState(self.device, value)
-            index = self.as_index(pages)
-            for view in self.page_views:
-                state.fold_rows(view.index_select(0, index))
-            return state.value()
+            return self.device_checksum(pages, value)
         ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
         self.check_ids(ids)
         runs = page_runs(ids)
@@ -121,6 +122,23 @@ class PagedKVPool:
             for start, count in runs:
                 chunks.append(mv[start * width : (start + count) * width])
         return adler32_chunks(chunks, value)
+
+    def device_checksum(self, pages: PageIds, value: int = 1, *, kernel: bool | None = None) -> int:
+        """The accelerator's seal: the Triton kernel where it can run (``kernel=None``), else
+        torch ops. Both also run on CPU tensors, which is how the tests check them."""
+        from engine_hooks import kernels  # imports triton: only pools that need it pay for it
+
+        index = self.as_index(pages)
+        if kernel is None:
+            kernel = kernels.available(self.device)
+        if kernel:
+            if self._seal_kernel is None:
+                self._seal_kernel = kernels.SealKernel(self.page_views)
+            return self._seal_kernel(index, value)
+        state = AdlerState(self.device, value)
+        for view in self.page_views:
+            state.fold_rows(view.index_select(0, index))
+        return state.value()
 
 
 def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
