@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from engine_hooks import canary, kernels
 from engine_hooks.pagestate import DevicePages, HostPages
 from engine_hooks.pool import PagedKVPool
+from tests.engine_hooks import sglang_digest
 from tests.engine_hooks.harness import fill, make_pool
 
 KINDS = ["mha", "mla", "vllm"]
@@ -181,3 +182,30 @@ def test_torch_path_when_triton_is_switched_off(monkeypatch: pytest.MonkeyPatch)
     assert kernels.available(torch.device("cuda")) and not kernels.available(torch.device("cpu"))
     pool = make_pool("mha", torch.bfloat16, 4)
     assert not DevicePages(pool).kernels  # CPU tensors: the kernels only when asked for
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_sglang_digest_equals_the_seal(kind: str, dtype: torch.dtype) -> None:
+    """SGLang's own KV checksum (its kernel's arithmetic, over its item list) is Adler-32 of the
+    same stream: equal to kvwatch's seal, kernel and torch paths, when SGLang's buffer list and
+    item lengths are the pool's buffers and page widths (tests/sglang checks they are)."""
+    pool = make_pool(kind, dtype, 12)
+    rng = random.Random(kind)
+    fill(pool, range(12), rng)
+    table = rng.sample(range(12), 9)
+    ptrs = [view.data_ptr() for view in pool.page_views]
+    theirs = sglang_digest.digest(ptrs, pool.layer_page_bytes, table)
+    assert theirs == zlib.adler32(host_bytes(pool, table))
+    assert pool.device_checksum(table, kernel=True) == theirs
+    assert pool.device_checksum(table, kernel=False) == theirs
+
+
+def test_sglang_item_arithmetic_on_unaligned_and_long_items() -> None:
+    """Their head/vector/tail split and the every-4096-vectors reduction, against zlib."""
+    raw = torch.randint(0, 256, (3 * 65536 + 3,), dtype=torch.uint8)
+    raw[:70000] = 0xFF
+    for start, length in [(1, 100), (3, 65536 + 29), (0, 3 * 65536), (5, 7)]:
+        item = raw[start : start + length]
+        a, b, n = sglang_digest.compute(item.data_ptr(), length)
+        assert (b << 16 | a, n) == (zlib.adler32(item.numpy().tobytes()), length)
