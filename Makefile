@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: this takes the CPU build from the machine's disk; any looser

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from engine_hooks.checksum import AdlerState, adler32_chunks, tensor_buffer
+from engine_hooks.checksum import AdlerState, adler32_addresses
 
 if TYPE_CHECKING:
     from engine_hooks.kernels import SealKernel
@@ -81,7 +82,8 @@ class PagedKVPool:
         if tag_store.shape != (self.num_pages,) or tag_store.dtype != torch.int64:
             raise ValueError("tag_store must be an int64 tensor with one entry per page")
         self.tag_store = tag_store
-        self._buffers_mv = [tensor_buffer(p) for p in pages] if self.device.type == "cpu" else []
+        self._bases = np.array([p.data_ptr() for p in pages], dtype=np.uint64)
+        self._widths = np.array(self.layer_page_bytes, dtype=np.uint64)
         self._seal_kernel: SealKernel | None = None
 
     @property
@@ -114,14 +116,14 @@ class PagedKVPool:
         """
         if not self.is_cpu:
             return self.device_checksum(pages, value)
-        ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
-        self.check_ids(ids)
-        runs = page_runs(ids)
-        chunks = []
-        for mv, width in zip(self._buffers_mv, self.layer_page_bytes, strict=True):
-            for start, count in runs:
-                chunks.append(mv[start * width : (start + count) * width])
-        return adler32_chunks(chunks, value)
+        ids = pages.numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_pages):
+            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        ids = ids.astype(np.uint64)
+        # Buffer by buffer, pages in order: one address per (buffer, page), one native call.
+        addresses = (self._bases[:, None] + ids[None, :] * self._widths[:, None]).reshape(-1)
+        lengths = np.repeat(self._widths, ids.size)
+        return adler32_addresses(addresses, lengths, value)
 
     def device_checksum(self, pages: PageIds, value: int = 1, *, kernel: bool | None = None) -> int:
         """The accelerator's seal: the Triton kernel where it can run (``kernel=None``), else
@@ -139,19 +141,3 @@ class PagedKVPool:
         for view in self.page_views:
             state.fold_rows(view.index_select(0, index))
         return state.value()
-
-
-def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
-    """Split page ids into ``(first, count)`` runs of consecutive ids, keeping their order."""
-    runs: list[tuple[int, int]] = []
-    start = prev = -2
-    for page in pages:
-        if page == prev + 1:
-            prev = page
-            continue
-        if start >= 0:
-            runs.append((start, prev - start + 1))
-        start = prev = page
-    if start >= 0:
-        runs.append((start, prev - start + 1))
-    return runs

@@ -1,0 +1,23 @@
+/* The native loop of the CPU seal: Adler-32 over many (address, length) chunks in one call,
+ * so scattered small pages pay a few nanoseconds each instead of a Python call each.
+ * The Adler-32 itself is zlib-ng's (its SIMD code), passed in as a function pointer by
+ * engine_hooks.checksum; this file only loops. Reached through ctypes. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* zlib-ng's zng_adler32_z */
+typedef uint32_t (*adler32_fn)(uint32_t adler, const uint8_t *buf, size_t len);
+
+uint32_t kvwatch_adler32_chunks(adler32_fn adler32, uint32_t value, const uint64_t *addresses,
+                                const uint64_t *lengths, size_t count) {
+    for (size_t i = 0; i < count; i++) {
+        value = adler32(value, (const uint8_t *)(uintptr_t)addresses[i], (size_t)lengths[i]);
+    }
+    return value;
+}
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pageloop", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__pageloop(void) { return PyModule_Create(&module); }
