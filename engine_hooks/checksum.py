@@ -190,6 +190,22 @@ def native_loop() -> AddressLoop | None:
     return run
 
 
+@cache
+def native_read() -> Callable[[np.ndarray, np.ndarray], int] | None:
+    """The native read pass over chunk addresses (bench/checksum.py's baseline), or None."""
+    spec = importlib.util.find_spec("engine_hooks._pageloop")
+    if spec is None or spec.origin is None:
+        return None
+    read = ctypes.CDLL(spec.origin).kvwatch_read_chunks
+    read.restype = ctypes.c_uint64
+    read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+    def run(addresses: np.ndarray, lengths: np.ndarray) -> int:
+        return int(read(addresses.ctypes.data, lengths.ctypes.data, len(addresses)))
+
+    return run
+
+
 def adler32_addresses(addresses: np.ndarray, lengths: np.ndarray, value: int = 1) -> int:
     """Adler-32 over the chunks at ``addresses`` (uint64 array) of ``lengths`` bytes, in order,
     in one native call. The caller keeps the memory alive and valid."""

@@ -119,11 +119,14 @@ class PagedKVPool:
         ids = pages.numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_pages):
             raise ValueError(f"page id out of range [0, {self.num_pages})")
+        return adler32_addresses(*self.chunks(ids), value)
+
+    def chunks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The seal's stream as ``(addresses, lengths)`` uint64 arrays of a CPU pool: buffer by
+        buffer, the pages ``ids`` in order, one chunk per (buffer, page)."""
         ids = ids.astype(np.uint64)
-        # Buffer by buffer, pages in order: one address per (buffer, page), one native call.
         addresses = (self._bases[:, None] + ids[None, :] * self._widths[:, None]).reshape(-1)
-        lengths = np.repeat(self._widths, ids.size)
-        return adler32_addresses(addresses, lengths, value)
+        return addresses, np.repeat(self._widths, ids.size)
 
     def device_checksum(self, pages: PageIds, value: int = 1, *, kernel: bool | None = None) -> int:
         """The accelerator's seal: the Triton kernel where it can run (``kernel=None``), else
