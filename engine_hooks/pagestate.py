@@ -17,11 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine_hooks import canary
 from engine_hooks.checksum import tensor_buffer
 from engine_hooks.pool import PagedKVPool, PageIds
+
+# From this many pages on, the host backend computes canary stamps as arrays.
+_BATCH_PAGES = 8
 
 #: Page ids or generations: a list of ints on the host backend, an int64 tensor on the device.
 Ints = list[int] | torch.Tensor
@@ -147,6 +151,7 @@ class HostPages:
         self.written = tensor_buffer(pool.tag_store).cast("q")
         self.free = bytearray(pool.num_pages)
         self.stamp_view = tensor_buffer(pool.page_views[0])
+        self.stamp_rows = pool.page_views[0].numpy()  # the same bytes, for batches of pages
         self.width = pool.layer_page_bytes[0]
         self.kv_dtype = pool.kv_dtype
 
@@ -198,12 +203,36 @@ class HostPages:
             self.free[p] = free
         return before
 
+    def _batch_stamps(
+        self, pages: Ints, gens: Ints, purpose: canary.Purpose
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Page ids and their stamps as arrays, for a batch large enough that a few array ops
+        beat a Python loop (a prompt's pages at reserve, admit, free); None for a few pages."""
+        if len(pages) < _BATCH_PAGES:
+            return None
+        ids = np.asarray(pages, dtype=np.int64)
+        rows = canary.stamps(
+            torch.from_numpy(ids), torch.from_numpy(np.asarray(gens, dtype=np.int64)), purpose,
+            self.kv_dtype,
+        )  # fmt: skip
+        return ids, rows.numpy()
+
     def stamp(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> None:
+        batch = self._batch_stamps(pages, gens, purpose)
+        if batch is not None:
+            ids, rows = batch
+            self.stamp_rows[ids, : canary.STAMP_BYTES] = rows
+            return
         view, width, n = self.stamp_view, self.width, canary.STAMP_BYTES
         for p, g in zip(self._ints(pages), self._ints(gens), strict=True):
             view[p * width : p * width + n] = canary.stamp_bytes(p, g, purpose, self.kv_dtype)
 
     def intact(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> list[bool]:
+        batch = self._batch_stamps(pages, gens, purpose)
+        if batch is not None:
+            ids, rows = batch
+            same = self.stamp_rows[ids, : canary.STAMP_BYTES] == rows
+            return same.all(axis=1).tolist()  # type: ignore[no-any-return]
         view, width, n = self.stamp_view, self.width, canary.STAMP_BYTES
         return [
             view[p * width : p * width + n] == canary.stamp_bytes(p, g, purpose, self.kv_dtype)

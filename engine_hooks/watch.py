@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
+import numpy as np
 import torch
 
 from engine_hooks.canary import Purpose
@@ -81,11 +82,15 @@ class Ticket:
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._as_tensors is None:
-            self._as_tensors = (
-                torch.as_tensor(self.pages, dtype=torch.int64, device=device),
-                torch.as_tensor(self.tags, dtype=torch.int64, device=device),
-            )
+            self._as_tensors = (_int64(self.pages, device), _int64(self.tags, device))
         return self._as_tensors
+
+
+def _int64(values: Ints, device: torch.device) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=torch.int64)
+    # Through numpy: torch.tensor(list) costs ~0.2 us per element, numpy a few ns.
+    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
 
 
 def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
