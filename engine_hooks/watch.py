@@ -73,17 +73,22 @@ class Ticket:
     request_id: str
     pages: Ints
     tags: Ints
-    # The same as tensors, built once and reused by every decode step's batch check.
-    _as_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The same as one [2, n] tensor (page ids; tags), built once and reused by every decode
+    # step's batch check until ``extend`` adds pages.
+    _stacked: torch.Tensor | None = None
 
     @property
     def page_count(self) -> int:
         return len(self.pages)
 
+    def stacked(self, device: torch.device) -> torch.Tensor:
+        if self._stacked is None:
+            self._stacked = torch.stack([_int64(self.pages, device), _int64(self.tags, device)])
+        return self._stacked
+
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._as_tensors is None:
-            self._as_tensors = (_int64(self.pages, device), _int64(self.tags, device))
-        return self._as_tensors
+        stacked = self.stacked(device)
+        return stacked[0], stacked[1]
 
 
 def _int64(values: Ints, device: torch.device) -> torch.Tensor:
@@ -251,9 +256,10 @@ class KVWatch:
             return
         index = self.state.index(pages)
         self.state.own_writes(index)
+        gens = self.state.generations(index)
         ticket.pages = self.state.concat([ticket.pages, index])
-        ticket.tags = self.state.concat([ticket.tags, self.state.generations(index)])
-        ticket._as_tensors = None
+        ticket.tags = self.state.concat([ticket.tags, gens])
+        ticket._stacked = None  # rebuilt at the next step (through numpy: a few us)
 
     @_hook("seal", lambda: None)
     def seal(self, request_id: str, pages: PageIds) -> Seal | None:
@@ -310,9 +316,10 @@ class KVWatch:
         owners = [(t.request_id, t.page_count) for t in tickets]
         if self._on_device or sum(count for _, count in owners) >= _VECTOR_PAGES:
             assert self.pool is not None
-            pairs = [t.tensors(self.pool.device) for t in tickets]
-            pages: Ints = torch.cat([p for p, _ in pairs])
-            expected: Ints = torch.cat([e for _, e in pairs])
+            device = self.pool.device
+            both = torch.cat([t.stacked(device) for t in tickets], dim=1)  # one copy, not two
+            pages: Ints = both[0]
+            expected: Ints = both[1]
         else:
             pages = self.state.concat([t.pages for t in tickets])
             expected = self.state.concat([t.tags for t in tickets])
