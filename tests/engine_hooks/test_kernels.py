@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_hooks import canary, kernels
-from engine_hooks.pagestate import DevicePages, HostPages
+from engine_hooks.pagestate import DevicePages
 from engine_hooks.pool import PagedKVPool
 from tests.engine_hooks import sglang_digest
 from tests.engine_hooks.harness import fill, make_pool
@@ -138,41 +138,6 @@ def test_tag_kernel_matches_torch() -> None:
     want = (generation[pages] != expected) | (written[pages] != expected)
     assert torch.equal(kernels.stale_tags(generation, written, pages, expected), want)
     assert kernels.stale_tags(generation, written, pages[:0], expected[:0]).numel() == 0
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
-def test_kernel_backend_agrees_with_the_host_backend(kind: str, dtype: torch.dtype) -> None:
-    host_pool, device_pool = make_pool(kind, dtype, 16), make_pool(kind, dtype, 16)
-    host, device = HostPages(host_pool), DevicePages(device_pool, kernel=True)
-    assert device.kernels
-    rng = random.Random(kind)
-    for _ in range(60):
-        pages = rng.sample(range(16), rng.randint(1, 5))
-        h, d = host.index(pages), device.index(pages)
-        purpose = rng.choice(list(canary.Purpose))
-        op = rng.choice(["bump", "stamp", "intact", "own", "stale", "scribble"])
-        if op == "bump":
-            host.bump(h)
-            device.bump(d)
-        elif op == "stamp":
-            host.stamp(h, host.generations(h), purpose)
-            device.stamp(d, device.generations(d), purpose)
-        elif op == "intact":
-            want = host.intact(h, host.generations(h), purpose)
-            assert want == device.intact(d, device.generations(d), purpose).tolist()
-        elif op == "own":
-            host.own_writes(h)
-            device.own_writes(d)
-        elif op == "stale":
-            expected = [rng.randint(0, 3) for _ in pages]
-            assert host.stale(h, expected) == device.stale(d, torch.tensor(expected)).tolist()
-        else:
-            for pool in (host_pool, device_pool):
-                for p in pages:
-                    pool.page(p)[0][:4] = p % 7
-    assert torch.equal(host_pool.page_views[0], device_pool.page_views[0])
-    assert torch.equal(host_pool.tag_store, device_pool.tag_store)
 
 
 def test_torch_path_when_triton_is_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
