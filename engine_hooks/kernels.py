@@ -70,6 +70,7 @@ if triton is not None:
         MOD: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,  # buffers, page widths and chunks are multiples of 16 bytes
     ) -> None:
         pid = tl.program_id(0).to(tl.int64)
         item = pid // chunks
@@ -78,20 +79,28 @@ if triton is not None:
         pos = item % num_pages
         page = tl.load(pages + pos)
         width = tl.load(widths + buf)
-        n = tl.minimum(width - lo, CHUNK)
+        n = tl.maximum(tl.minimum(width - lo, CHUNK), 0)  # a narrower buffer: nothing here
         n = tl.where((page >= 0) & (page < pool_pages), n, 0)
         src = anchor + tl.load(offsets + buf) + page * width + lo
+        if ALIGNED:  # every page and chunk starts on 16 bytes: vector loads
+            src = tl.multiple_of(src, 16)
         idx = tl.arange(0, BLOCK)
-        s = tl.zeros((), dtype=tl.int64)
-        w = tl.zeros((), dtype=tl.int64)
-        for start in range(0, n, BLOCK):
-            x = tl.load(src + start + idx, mask=start + idx < n, other=0).to(tl.int32)
+        s = pid * 0  # int64 accumulators in registers
+        w = pid * 0
+        full = n // BLOCK * BLOCK
+        for start in range(0, full, BLOCK):  # whole blocks, unmasked
+            x = tl.load(src + start + idx).to(tl.int32)
             block_sum = tl.sum(x, axis=0).to(tl.int64)
             # Byte i of the chunk weighs n - i = (n - start - BLOCK) + (BLOCK - idx).
             block_weighted = tl.sum(x * (BLOCK - idx), axis=0).to(tl.int64)
             s += block_sum
             w += block_weighted + block_sum * (n - start - BLOCK)
-        stream_end = tl.load(starts + buf) * num_pages + pos * width + lo + tl.maximum(n, 0)
+        # The tail (fewer than BLOCK bytes, maybe none), masked.
+        x = tl.load(src + full + idx, mask=full + idx < n, other=0).to(tl.int32)
+        block_sum = tl.sum(x, axis=0).to(tl.int64)
+        s += block_sum
+        w += tl.sum(x * (BLOCK - idx), axis=0).to(tl.int64) + block_sum * (n - full - BLOCK)
+        stream_end = tl.load(starts + buf) * num_pages + pos * width + lo + n
         after = (total - stream_end) % MOD
         s = s % MOD
         tl.store(partials + 2 * pid, s)
@@ -166,6 +175,7 @@ class SealKernel:
         self.chunks = -(-max(widths) // SEAL_CHUNK)
         self.page_bytes = sum(widths)
         self.buffers = len(buffers)
+        self.aligned = all(p % 16 == 0 for p in pointers) and all(w % 16 == 0 for w in widths)
 
     def partials(self, pages: torch.Tensor) -> torch.Tensor:
         """The ``[programs, 2]`` partials of the pages, in page-table order."""
@@ -185,6 +195,7 @@ class SealKernel:
             MOD=BASE,
             CHUNK=SEAL_CHUNK,
             BLOCK=SEAL_BLOCK,
+            ALIGNED=self.aligned,
         )
         return out
 
