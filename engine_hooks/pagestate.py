@@ -73,6 +73,11 @@ class DevicePages:
     def index(self, pages: PageIds) -> torch.Tensor:
         return self.pool.as_index(pages)
 
+    def _on_device(self, values: Ints) -> torch.Tensor:
+        """int64 on the pool's device: a kernel reads raw pointers (a host tensor given to a
+        GPU kernel is an illegal address) and mixes ids in 64-bit arithmetic."""
+        return torch.as_tensor(values).to(device=self.pool.device, dtype=torch.int64)
+
     def concat(self, parts: Sequence[Ints]) -> torch.Tensor:
         return torch.cat([torch.as_tensor(p, device=self.pool.device) for p in parts])
 
@@ -92,7 +97,9 @@ class DevicePages:
         if self.kernels:
             from engine_hooks.kernels import stale_tags
 
-            return stale_tags(self.generation, self.written, index, want)
+            return stale_tags(
+                self.generation, self.written, self._on_device(index), self._on_device(want)
+            )
         return (self.generation.index_select(0, index) != want) | (
             self.written.index_select(0, index) != want
         )
@@ -117,8 +124,8 @@ class DevicePages:
 
             kernel(
                 self.stamp_area,
-                torch.as_tensor(pages),
-                torch.as_tensor(gens),
+                self._on_device(pages),
+                self._on_device(gens),
                 purpose,
                 self.pool.kv_dtype,
                 stamp=True,
@@ -132,8 +139,8 @@ class DevicePages:
 
             return kernel(
                 self.stamp_area,
-                torch.as_tensor(pages),
-                torch.as_tensor(gens),
+                self._on_device(pages),
+                self._on_device(gens),
                 purpose,
                 self.pool.kv_dtype,
                 stamp=False,
