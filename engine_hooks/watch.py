@@ -73,9 +73,13 @@ class Ticket:
     request_id: str
     pages: Ints
     tags: Ints
-    # The same as one [2, n] tensor (page ids; tags), built once and reused by every decode
-    # step's batch check until ``extend`` adds pages.
+    # The same as one [2, n] tensor (page ids; tags), reused by every decode step's batch
+    # check: a view of a buffer with room to grow, which ``extend`` appends to in place on
+    # the host (through a numpy view) and which is rebuilt when full or on a device.
     _stacked: torch.Tensor | None = None
+    _buffer: torch.Tensor | None = None
+    _host: np.ndarray | None = None
+    _count: int = 0
 
     @property
     def page_count(self) -> int:
@@ -83,12 +87,29 @@ class Ticket:
 
     def stacked(self, device: torch.device) -> torch.Tensor:
         if self._stacked is None:
-            self._stacked = torch.stack([_int64(self.pages, device), _int64(self.tags, device)])
+            n = len(self.pages)
+            buffer = torch.empty((2, n + n // 2 + 8), dtype=torch.int64, device=device)
+            buffer[0, :n] = _int64(self.pages, device)
+            buffer[1, :n] = _int64(self.tags, device)
+            self._buffer, self._count = buffer, n
+            self._host = buffer.numpy() if buffer.device.type == "cpu" else None
+            self._stacked = buffer[:, :n]
         return self._stacked
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         stacked = self.stacked(device)
         return stacked[0], stacked[1]
+
+    def _append(self, pages: Ints, tags: Ints) -> None:
+        """``extend`` added these pages to ``self.pages`` and ``self.tags``."""
+        start, end = self._count, self._count + len(pages)
+        if self._host is None or self._buffer is None or end > self._host.shape[1]:
+            self._stacked = self._buffer = self._host = None  # rebuilt at the next step
+            return
+        self._host[0, start:end] = pages
+        self._host[1, start:end] = tags
+        self._count = end
+        self._stacked = self._buffer[:, :end]
 
 
 def _int64(values: Ints, device: torch.device) -> torch.Tensor:
@@ -259,7 +280,7 @@ class KVWatch:
         gens = self.state.generations(index)
         ticket.pages = self.state.concat([ticket.pages, index])
         ticket.tags = self.state.concat([ticket.tags, gens])
-        ticket._stacked = None  # rebuilt at the next step (through numpy: a few us)
+        ticket._append(index, gens)
 
     @_hook("seal", lambda: None)
     def seal(self, request_id: str, pages: PageIds) -> Seal | None:
