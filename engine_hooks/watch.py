@@ -31,7 +31,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -76,10 +76,11 @@ class Ticket:
     # The same as one [2, n] tensor (page ids; tags), reused by every decode step's batch
     # check: a view of a buffer with room to grow, which ``extend`` appends to in place on
     # the host (through a numpy view) and which is rebuilt when full or on a device.
-    _stacked: torch.Tensor | None = None
-    _buffer: torch.Tensor | None = None
-    _host: np.ndarray | None = None
-    _count: int = 0
+    # (Not constructor arguments: public fields may follow without shifting positions.)
+    _stacked: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _buffer: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _host: np.ndarray | None = field(default=None, init=False, repr=False)
+    _count: int = field(default=0, init=False, repr=False)
 
     @property
     def page_count(self) -> int:
