@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test
+.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test gpu-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: this takes the CPU build from the machine's disk; any looser
@@ -62,6 +62,13 @@ bench: $(STAMP)
 	$(PY) bench/checksum.py
 	$(PY) bench/overhead.py
 	$(PY) bench/daemon.py
+
+# The device check kit on a GPU machine (README: "Running the GPU check without a package index").
+# Uses the machine's own python3 with its torch and triton, not .venv; `--dry` is the CPU run
+# that tests/bench/test_gpu_check.py makes in `make test`.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -2,7 +2,9 @@
 
 One run measures, on the same bytes of a paged KV pool (>= 256 MiB, many layers):
   - read pass: one single-threaded pass that reads every byte (the physical limit on one core),
-  - kvwatch: PagedKVPool.checksum over a page table (what seal and verify do),
+  - kvwatch: PagedKVPool.checksum over a page table (what seal and verify do): one native loop
+    over the pages' addresses calling zlib-ng per page (engine_hooks/_pageloop.c),
+  - the previous path, one zlib-ng call from Python per page (shuffled table),
   - stdlib zlib.adler32 over each buffer whole,
 and prints each in GB/s and as a ratio to the read pass. Page tables: every page in order, runs
 of 8 consecutive pages (what a sorted free list hands out after churn) and a shuffled table
@@ -21,10 +23,11 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_hooks import PagedKVPool, adler32
-from engine_hooks.checksum import tensor_buffer
+from engine_hooks.checksum import adler32_chunks, native_read, tensor_buffer
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,37 @@ def cpu_rows(model: Model, mib: int, repeat: int) -> None:
         f"buffers, {chunk_kib:g} KiB per page per buffer"
     )
     row("read pass (1 thread)", read)
-    for name, table in page_tables(pool.num_pages).items():
+    tables = page_tables(pool.num_pages)
+    for name, table in tables.items():
         row(f"kvwatch per-page, {name}", best_seconds(lambda t=table: pool.checksum(t), repeat))
+    # The same scattered table against a read pass over the same pages in the same order (the
+    # physical limit of that access pattern), interleaved so drift hits both alike.
+    ids = np.asarray(tables["shuffled"], dtype=np.uint64)
+    addresses, lengths = pool.chunks(ids)
+    read_pages = native_read()
+    assert read_pages is not None, "engine_hooks._pageloop is not built"
+    scattered_read = scattered_seal = float("inf")
+    for _ in range(repeat):
+        scattered_read = min(
+            scattered_read, best_seconds(lambda: read_pages(addresses, lengths), 1)
+        )
+        scattered_seal = min(scattered_seal, best_seconds(lambda: pool.checksum(ids), 1))
+    print(
+        f"  {'read pass, same shuffled pages':<34} {nbytes / scattered_read / 1e9:7.2f} GB/s"
+        f"  {read / scattered_read:5.2f}x read pass"
+    )
+    print(
+        f"  {'kvwatch per-page, shuffled':<34} {nbytes / scattered_seal / 1e9:7.2f} GB/s"
+        f"  {scattered_read / scattered_seal:5.2f}x the shuffled read pass (interleaved)"
+    )
+    # The previous CPU path, for comparison: one zlib-ng call from Python per page and buffer.
+    shuffled = tables["shuffled"]
+    chunks = [
+        mv[p * w : (p + 1) * w]
+        for mv, w in zip(views, pool.layer_page_bytes, strict=True)
+        for p in shuffled
+    ]
+    row("Python call per page, shuffled", best_seconds(lambda: adler32_chunks(chunks), repeat))
     row("kvwatch adler32, whole buffers", whole)
     row("stdlib zlib.adler32", stdlib)
 

@@ -45,6 +45,7 @@ class Run:
     step_hook_seconds: float
     step_cpu_seconds: float
     step_hook_cpu_seconds: float
+    decode_tokens: int  # running requests summed over decode steps (one token each per step)
     cpu_seconds: float  # all three processes
     hook_seconds: float  # every hook in prefill and decode (kvwatch's own hook_seconds)
 
@@ -73,6 +74,12 @@ class Run:
     @property
     def hook_us_per_token(self) -> float:
         return 1e6 * self.hook_seconds / max(1, self.generated)
+
+    @property
+    def host_us_per_running_request(self) -> float:
+        """The per-step hooks' CPU time (the batch's tag check and the canary and tag work on
+        pages allocated in the step) per decode step per running request."""
+        return 1e6 * self.step_hook_cpu_seconds / max(1, self.decode_tokens)
 
     @property
     def step_cpu_ms(self) -> float:
@@ -123,6 +130,7 @@ def run_once(mode: str, args: argparse.Namespace, items: list[tuple[str, int]]) 
         step_hook_seconds=delta(before, after, "decode", "step_hook_seconds"),
         step_cpu_seconds=delta(before, after, "decode", "step_cpu_seconds"),
         step_hook_cpu_seconds=delta(before, after, "decode", "step_hook_cpu_seconds"),
+        decode_tokens=int(delta(before, after, "decode", "tokens")),
         cpu_seconds=sum(
             delta(before, after, role, "process_cpu_seconds")
             for role in ("router", "prefill", "decode")
@@ -140,6 +148,110 @@ def delta(before: dict[str, Any], after: dict[str, Any], role: str, name: str) -
     return float(after[role][name]) - float(before[role][name])
 
 
+def request_hooks(prompt: int, page_size: int, requests: int) -> None:
+    """Host CPU of every hook over one request's life in minipd's shapes (2 layers of K and V,
+    head_dim 128, fp32, CPU tensors, log mode): prefill ``on_alloc``, ``seal``, ``on_free``;
+    decode ``on_alloc``, ``on_reserve``, ``verify_admit``, ``on_free``. Baseline, in the same
+    loop: the whole-page copy of the same KV from prefill's pool into decode's (the transfer)."""
+    import torch
+
+    from engine_hooks import KVWatch, PagedKVPool
+
+    torch.set_num_threads(1)
+    num_pages = 4096
+    need = -(-prompt // page_size)
+
+    def pool() -> PagedKVPool:
+        return PagedKVPool(
+            [torch.randn((num_pages * page_size, 1, 128)) for _ in range(4)], page_size
+        )
+
+    src_pool, dst_pool = pool(), pool()
+    prefill = KVWatch(src_pool, role="prefill", engine="bench", mode="log")
+    decode = KVWatch(dst_pool, role="decode", engine="bench", mode="log")
+    prefill.on_free(list(range(num_pages)))
+    decode.on_free(list(range(num_pages)))
+    total = copy = 0.0
+    for i in range(requests + 1):
+        base = (i * need) % (num_pages - need - 7)
+        src = list(range(base, base + need))
+        dst = list(range(base + 7, base + 7 + need))[::-1]
+        started = time.thread_time()
+        decode.on_alloc(dst, f"r{i}")
+        ticket = decode.on_reserve(f"r{i}", dst)
+        prefill.on_alloc(src, f"r{i}")
+        copy_started = time.thread_time()
+        for s, d in zip(src, dst, strict=True):
+            for sv, dv in zip(src_pool.page(s), dst_pool.page(d), strict=True):
+                dv.copy_(sv)
+        copied = time.thread_time() - copy_started
+        assert ticket is not None
+        dst_pool.mark_written(dst, ticket.tags)
+        seal = prefill.seal(f"r{i}", src)
+        prefill.on_free(src, f"r{i}")
+        assert decode.verify_admit(ticket, seal) == []
+        decode.on_free(dst, f"r{i}")
+        if i:  # the first request warms up
+            total += time.thread_time() - started
+            copy += copied
+    hooks = total - copy
+    print(
+        f"hooks over a {prompt}-token request's life ({need} pages of {page_size} tokens): "
+        f"{1e3 * hooks / requests:.2f} ms host CPU per request; the page copy itself "
+        f"{1e3 * copy / requests:.2f} ms ({hooks / copy:.2f}x the copy)"
+    )
+    prefill.close()
+    decode.close()
+
+
+def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int) -> None:
+    """The per-step hooks alone at a large batch on CPU tensors, the way minipd's decode step
+    calls them: the batch's tag check every step, and a new page (``on_alloc`` + ``extend``)
+    for each request whose context crosses a page boundary. Host CPU per step per running
+    request, in ``log`` and ``enforce`` (the baseline, ``off``, costs nothing: no hook runs)."""
+    import numpy as np
+    import torch
+
+    from engine_hooks import KVWatch, PagedKVPool
+
+    torch.set_num_threads(1)
+    per_request = -(-(context + steps) // page_size) + 1
+    num_pages = batch * per_request + 1
+    results = {}
+    for mode in ("log", "enforce", "log", "enforce"):  # interleaved, best of two each
+        pool = PagedKVPool([torch.zeros((num_pages * page_size, 1, 128))], page_size)
+        watch = KVWatch(pool, role="decode", engine="bench", mode=mode)
+        free = list(np.random.default_rng(0).permutation(np.arange(1, num_pages)).tolist())
+        tickets = []
+        for r in range(batch):
+            pages = [free.pop() for _ in range(-(-context // page_size))]
+            watch.on_alloc(pages, f"r{r}")
+            ticket = watch.on_reserve(f"r{r}", pages)
+            assert ticket is not None
+            watch.state.own_writes(ticket.pages)  # type: ignore[union-attr]
+            tickets.append(ticket)
+        lengths = [context + r % page_size for r in range(batch)]  # boundaries spread out
+        started = time.thread_time()
+        for _ in range(steps):
+            verdicts = watch.check_batch(tickets)
+            assert not verdicts
+            for r, ticket in enumerate(tickets):
+                lengths[r] += 1
+                if lengths[r] % page_size == 0:
+                    page = [free.pop()]
+                    watch.on_alloc(page, ticket.request_id)
+                    watch.extend(ticket, page)
+        per = 1e6 * (time.thread_time() - started) / (steps * batch)
+        results[mode] = min(results.get(mode, per), per)
+        watch.close()
+    print(
+        f"per-step hooks at batch {batch}, {context}-token contexts, page {page_size}, "
+        f"{steps} steps, CPU tensors: "
+        + ", ".join(f"{m} {us:.2f} us" for m, us in results.items())
+        + " of host CPU per step per running request (off: 0, no hook runs)"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=96)
@@ -152,7 +264,14 @@ def main() -> int:
     parser.add_argument("--context-length", type=int, default=32768)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=256, help="the per-step hooks alone")
+    parser.add_argument("--batch-context", type=int, default=2000)
+    parser.add_argument("--batch-steps", type=int, default=64)
     args = parser.parse_args()
+    request_hooks(4000, args.page_size, 20)
+    step_hooks_at_batch(args.batch, args.batch_context, args.page_size, args.batch_steps)
+    if args.rounds == 0:
+        return 0
     items = workload(args.seed, args.requests, args.min_words, args.max_words)
     runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
     for round_no in range(args.rounds):
@@ -164,7 +283,8 @@ def main() -> int:
                 f"{run.all_tokens_per_s:8.0f} tok/s  step {run.step_ms:.2f} ms "
                 f"(cpu {run.step_cpu_ms:.2f}) x{run.steps}  decode {run.decode_us_per_token:.0f} "
                 f"us/tok  cpu {run.cpu_us_per_token:.0f} us/tok  "
-                f"hooks {100 * run.hook_share:.2f}% of step cpu",
+                f"hooks {100 * run.hook_share:.2f}% of step cpu "
+                f"{run.host_us_per_running_request:.2f} us/step/request",
                 flush=True,
             )
 
@@ -196,6 +316,10 @@ def main() -> int:
         f"{100 * median(m, 'hook_us_per_token') / off_cpu:9.2f}%{'':12}" for m in MODES[1:]
     )
     print(f"{'all hooks (wall inside), share of off CPU':<44}{direct}  (upper bound)")
+    per_request = "".join(
+        f"{median(m, 'host_us_per_running_request'):10.2f}{'':12}" for m in MODES[1:]
+    )
+    print(f"{'per-step hooks, host us per running request':<44}{per_request}")
     return 0
 
 

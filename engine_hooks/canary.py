@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum
+from functools import cache
 
 import torch
 
@@ -22,7 +23,13 @@ class Purpose(IntEnum):
 
 
 def supported(kv_dtype: torch.dtype) -> bool:
-    return torch.empty((), dtype=kv_dtype).element_size() in _ENCODERS or kv_dtype == torch.uint8
+    return element_size(kv_dtype) in _ENCODERS
+
+
+@cache
+def element_size(kv_dtype: torch.dtype) -> int:
+    """Bytes per element of the KV dtype (uint8: fp8 stored as bytes)."""
+    return 1 if kv_dtype == torch.uint8 else torch.empty((), dtype=kv_dtype).element_size()
 
 
 def payload(pages: torch.Tensor, generations: torch.Tensor, purpose: Purpose) -> torch.Tensor:
@@ -66,7 +73,7 @@ def stamps(
 ) -> torch.Tensor:
     """The ``[len(pages), STAMP_BYTES]`` uint8 stamps for these pages at these generations."""
     p = payload(pages, generations, purpose)
-    size = 1 if kv_dtype == torch.uint8 else torch.empty((), dtype=kv_dtype).element_size()
+    size = element_size(kv_dtype)
     if size == 1:
         out = _encode_1(p)
     elif size == 2:
@@ -96,7 +103,7 @@ def _payload_int(page: int, generation: int, purpose: int) -> int:
 def stamp_bytes(page: int, generation: int, purpose: Purpose, kv_dtype: torch.dtype) -> bytes:
     """One page's stamp, equal to ``stamps(...)[0]`` for that page."""
     p = _payload_int(page, generation, int(purpose))
-    size = 1 if kv_dtype == torch.uint8 else torch.empty((), dtype=kv_dtype).element_size()
+    size = element_size(kv_dtype)
     if size == 1:
         return bytes(0x7F | (((p >> i) & 1) << 7) for i in range(STAMP_BYTES))
     if size == 2:

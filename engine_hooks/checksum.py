@@ -1,6 +1,8 @@
 """Adler-32, bit-identical to zlib's, over bytes and torch tensors.
 
-CPU data goes through zlib-ng in place (a contiguous CPU tensor is read through a zero-copy
+CPU data goes through zlib-ng in place; many scattered chunks (a page table's pages) go through
+one native loop (:func:`adler32_addresses`, ``engine_hooks/_pageloop.c``) that calls zlib-ng per
+chunk (a contiguous CPU tensor is read through a zero-copy
 buffer over its storage). Tensors on an accelerator are checksummed where they live by
 :func:`adler32_torch`, which only moves the 4-byte result to the host; the same code runs on CPU
 tensors, which is how the tests check it against zlib.
@@ -9,8 +11,11 @@ tensors, which is how the tests check it against zlib.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import importlib.util
+from collections.abc import Callable, Sequence
+from functools import cache
 
+import numpy as np
 import torch
 from zlib_ng import zlib_ng
 
@@ -160,3 +165,63 @@ def adler32_chunks(chunks: Sequence[Bytes], value: int = 1) -> int:
     for chunk in chunks:
         value = update(chunk, value)
     return value
+
+
+#: ``(value, addresses, lengths, count) -> value``: the native loop, bound to zlib-ng.
+AddressLoop = Callable[[int, np.ndarray, np.ndarray], int]
+
+
+@cache
+def native_loop() -> AddressLoop | None:
+    """The compiled loop over chunk addresses (built with the package), or None without it."""
+    spec = importlib.util.find_spec("engine_hooks._pageloop")
+    if spec is None or spec.origin is None:
+        return None
+    loop = ctypes.CDLL(spec.origin).kvwatch_adler32_chunks
+    loop.restype = ctypes.c_uint32
+    loop.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p]
+    loop.argtypes.append(ctypes.c_size_t)
+    # zlib-ng's own Adler-32 (its SIMD code), from the extension zlib_ng already loaded.
+    adler = ctypes.cast(ctypes.CDLL(zlib_ng.__file__).zng_adler32_z, ctypes.c_void_p).value
+
+    def run(value: int, addresses: np.ndarray, lengths: np.ndarray) -> int:
+        return int(loop(adler, value, addresses.ctypes.data, lengths.ctypes.data, len(addresses)))
+
+    return run
+
+
+@cache
+def native_read() -> Callable[[np.ndarray, np.ndarray], int] | None:
+    """The native read pass over chunk addresses (bench/checksum.py's baseline), or None."""
+    spec = importlib.util.find_spec("engine_hooks._pageloop")
+    if spec is None or spec.origin is None:
+        return None
+    read = ctypes.CDLL(spec.origin).kvwatch_read_chunks
+    read.restype = ctypes.c_uint64
+    read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+    def run(addresses: np.ndarray, lengths: np.ndarray) -> int:
+        return int(read(addresses.ctypes.data, lengths.ctypes.data, len(addresses)))
+
+    return run
+
+
+def adler32_addresses(addresses: np.ndarray, lengths: np.ndarray, value: int = 1) -> int:
+    """Adler-32 over the chunks at ``addresses`` (uint64 array) of ``lengths`` bytes, in order,
+    in one native call. The caller keeps the memory alive and valid."""
+    if len(addresses) != len(lengths):
+        raise ValueError("addresses and lengths differ in length")
+    if not lengths.any():
+        return _reduced(value)
+    loop = native_loop()
+    if loop is None:  # a source tree without the built extension: one Python call per chunk
+        chunks = [
+            memoryview((ctypes.c_ubyte * int(n)).from_address(int(a))).cast("B")
+            for a, n in zip(addresses, lengths, strict=True)
+        ]
+        return adler32_chunks(chunks, value)
+    return loop(
+        value & 0xFFFFFFFF,
+        np.ascontiguousarray(addresses, dtype=np.uint64),
+        np.ascontiguousarray(lengths, dtype=np.uint64),
+    )

@@ -17,11 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine_hooks import canary
 from engine_hooks.checksum import tensor_buffer
 from engine_hooks.pool import PagedKVPool, PageIds
+
+# From this many pages on, the host backend computes canary stamps as arrays.
+_BATCH_PAGES = 8
 
 #: Page ids or generations: a list of ints on the host backend, an int64 tensor on the device.
 Ints = list[int] | torch.Tensor
@@ -46,8 +50,16 @@ def page_state(pool: PagedKVPool) -> PageState:
     return HostPages(pool) if pool.is_cpu else DevicePages(pool)
 
 
+def _kernels_available(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return False  # the kernels run on CPU only when asked for (kernel=True, interpreter)
+    from engine_hooks import kernels
+
+    return kernels.available(device)
+
+
 class DevicePages:
-    def __init__(self, pool: PagedKVPool) -> None:
+    def __init__(self, pool: PagedKVPool, *, kernel: bool | None = None) -> None:
         self.pool = pool
         n, device = pool.num_pages, pool.device
         self.generation = torch.zeros(n, dtype=torch.int64, device=device)
@@ -55,9 +67,16 @@ class DevicePages:
         self.free = torch.zeros(n, dtype=torch.bool, device=device)
         self.stamp_area = pool.page_views[0][:, : canary.STAMP_BYTES]
         self._one = torch.ones(1, dtype=torch.int64, device=device)
+        # The batched checks as one Triton launch each where triton runs on this device.
+        self.kernels = kernel if kernel is not None else _kernels_available(device)
 
     def index(self, pages: PageIds) -> torch.Tensor:
         return self.pool.as_index(pages)
+
+    def _on_device(self, values: Ints) -> torch.Tensor:
+        """int64 on the pool's device: a kernel reads raw pointers (a host tensor given to a
+        GPU kernel is an illegal address) and mixes ids in 64-bit arithmetic."""
+        return torch.as_tensor(values).to(device=self.pool.device, dtype=torch.int64)
 
     def concat(self, parts: Sequence[Ints]) -> torch.Tensor:
         return torch.cat([torch.as_tensor(p, device=self.pool.device) for p in parts])
@@ -75,6 +94,12 @@ class DevicePages:
 
     def stale(self, pages: Ints, expected: Ints) -> torch.Tensor:
         index, want = torch.as_tensor(pages), torch.as_tensor(expected)
+        if self.kernels:
+            from engine_hooks.kernels import stale_tags
+
+            return stale_tags(
+                self.generation, self.written, self._on_device(index), self._on_device(want)
+            )
         return (self.generation.index_select(0, index) != want) | (
             self.written.index_select(0, index) != want
         )
@@ -94,9 +119,32 @@ class DevicePages:
         )
 
     def stamp(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> None:
+        if self.kernels:
+            from engine_hooks.kernels import canary as kernel
+
+            kernel(
+                self.stamp_area,
+                self._on_device(pages),
+                self._on_device(gens),
+                purpose,
+                self.pool.kv_dtype,
+                stamp=True,
+            )
+            return
         self.stamp_area[torch.as_tensor(pages)] = self._stamps(pages, gens, purpose)
 
     def intact(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> torch.Tensor:
+        if self.kernels:
+            from engine_hooks.kernels import canary as kernel
+
+            return kernel(
+                self.stamp_area,
+                self._on_device(pages),
+                self._on_device(gens),
+                purpose,
+                self.pool.kv_dtype,
+                stamp=False,
+            )
         current = self.stamp_area.index_select(0, torch.as_tensor(pages))
         return (current == self._stamps(pages, gens, purpose)).all(dim=1)
 
@@ -110,6 +158,7 @@ class HostPages:
         self.written = tensor_buffer(pool.tag_store).cast("q")
         self.free = bytearray(pool.num_pages)
         self.stamp_view = tensor_buffer(pool.page_views[0])
+        self.stamp_rows = pool.page_views[0].numpy()  # the same bytes, for batches of pages
         self.width = pool.layer_page_bytes[0]
         self.kv_dtype = pool.kv_dtype
 
@@ -161,12 +210,36 @@ class HostPages:
             self.free[p] = free
         return before
 
+    def _batch_stamps(
+        self, pages: Ints, gens: Ints, purpose: canary.Purpose
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Page ids and their stamps as arrays, for a batch large enough that a few array ops
+        beat a Python loop (a prompt's pages at reserve, admit, free); None for a few pages."""
+        if len(pages) < _BATCH_PAGES:
+            return None
+        ids = np.asarray(pages, dtype=np.int64)
+        rows = canary.stamps(
+            torch.from_numpy(ids), torch.from_numpy(np.asarray(gens, dtype=np.int64)), purpose,
+            self.kv_dtype,
+        )  # fmt: skip
+        return ids, rows.numpy()
+
     def stamp(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> None:
+        batch = self._batch_stamps(pages, gens, purpose)
+        if batch is not None:
+            ids, rows = batch
+            self.stamp_rows[ids, : canary.STAMP_BYTES] = rows
+            return
         view, width, n = self.stamp_view, self.width, canary.STAMP_BYTES
         for p, g in zip(self._ints(pages), self._ints(gens), strict=True):
             view[p * width : p * width + n] = canary.stamp_bytes(p, g, purpose, self.kv_dtype)
 
     def intact(self, pages: Ints, gens: Ints, purpose: canary.Purpose) -> list[bool]:
+        batch = self._batch_stamps(pages, gens, purpose)
+        if batch is not None:
+            ids, rows = batch
+            same = self.stamp_rows[ids, : canary.STAMP_BYTES] == rows
+            return same.all(axis=1).tolist()  # type: ignore[no-any-return]
         view, width, n = self.stamp_view, self.width, canary.STAMP_BYTES
         return [
             view[p * width : p * width + n] == canary.stamp_bytes(p, g, purpose, self.kv_dtype)

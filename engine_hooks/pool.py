@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from engine_hooks.checksum import AdlerState, adler32_chunks, tensor_buffer
+from engine_hooks.checksum import AdlerState, adler32_addresses
+
+if TYPE_CHECKING:
+    from engine_hooks.kernels import SealKernel
 
 PageIds = Sequence[int] | torch.Tensor
 
@@ -77,7 +82,9 @@ class PagedKVPool:
         if tag_store.shape != (self.num_pages,) or tag_store.dtype != torch.int64:
             raise ValueError("tag_store must be an int64 tensor with one entry per page")
         self.tag_store = tag_store
-        self._buffers_mv = [tensor_buffer(p) for p in pages] if self.device.type == "cpu" else []
+        self._bases = np.array([p.data_ptr() for p in pages], dtype=np.uint64)
+        self._widths = np.array(self.layer_page_bytes, dtype=np.uint64)
+        self._seal_kernel: SealKernel | None = None
 
     @property
     def is_cpu(self) -> bool:
@@ -108,32 +115,32 @@ class PagedKVPool:
         computed on the device and only the 4-byte result reaches the host.
         """
         if not self.is_cpu:
-            state = AdlerState(self.device, value)
-            index = self.as_index(pages)
-            for view in self.page_views:
-                state.fold_rows(view.index_select(0, index))
-            return state.value()
-        ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
-        self.check_ids(ids)
-        runs = page_runs(ids)
-        chunks = []
-        for mv, width in zip(self._buffers_mv, self.layer_page_bytes, strict=True):
-            for start, count in runs:
-                chunks.append(mv[start * width : (start + count) * width])
-        return adler32_chunks(chunks, value)
+            return self.device_checksum(pages, value)
+        ids = pages.numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_pages):
+            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        return adler32_addresses(*self.chunks(ids), value)
 
+    def chunks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The seal's stream as ``(addresses, lengths)`` uint64 arrays of a CPU pool: buffer by
+        buffer, the pages ``ids`` in order, one chunk per (buffer, page)."""
+        ids = ids.astype(np.uint64)
+        addresses = (self._bases[:, None] + ids[None, :] * self._widths[:, None]).reshape(-1)
+        return addresses, np.repeat(self._widths, ids.size)
 
-def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
-    """Split page ids into ``(first, count)`` runs of consecutive ids, keeping their order."""
-    runs: list[tuple[int, int]] = []
-    start = prev = -2
-    for page in pages:
-        if page == prev + 1:
-            prev = page
-            continue
-        if start >= 0:
-            runs.append((start, prev - start + 1))
-        start = prev = page
-    if start >= 0:
-        runs.append((start, prev - start + 1))
-    return runs
+    def device_checksum(self, pages: PageIds, value: int = 1, *, kernel: bool | None = None) -> int:
+        """The accelerator's seal: the Triton kernel where it can run (``kernel=None``), else
+        torch ops. Both also run on CPU tensors, which is how the tests check them."""
+        from engine_hooks import kernels  # imports triton: only pools that need it pay for it
+
+        index = self.as_index(pages)
+        if kernel is None:
+            kernel = kernels.available(self.device)
+        if kernel:
+            if self._seal_kernel is None:
+                self._seal_kernel = kernels.SealKernel(self.page_views)
+            return self._seal_kernel(index, value)
+        state = AdlerState(self.device, value)
+        for view in self.page_views:
+            state.fold_rows(view.index_select(0, index))
+        return state.value()

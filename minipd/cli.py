@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="replay the essay's incident on 0.5.19 with kvwatch log")
     demo.add_argument("--release", default="0.5.19", choices=sorted(RELEASES))
     demo.add_argument("--kvwatch", choices=["off", "log", "enforce"], default="log")
+    demo.add_argument("--device", default="cpu", help="where the KV pools live: cpu or cuda")
     return parser
 
 
@@ -119,4 +120,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(cfg)
     from minipd.demo import run_demo
 
-    return run_demo(str(args.release), str(args.kvwatch))
+    return run_demo(str(args.release), str(args.kvwatch), str(args.device))

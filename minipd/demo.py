@@ -56,14 +56,17 @@ def _show_records(spool: Path) -> None:
             print(f"    counter {name}{dict(labels)} = {value:g}")
 
 
-def run_demo(release: str = "0.5.19", kvwatch: str = "log") -> int:
+def run_demo(release: str = "0.5.19", kvwatch: str = "log", device: str = "cpu") -> int:
     workdir = Path(tempfile.mkdtemp(prefix="minipd-demo-"))
     spool, logs = workdir / "spool", workdir / "logs"
     args = [
         "--release", release, "--kvwatch", kvwatch, "--kvwatch-spool", str(spool),
-        "--log-dir", str(logs), *SERVE_ARGS,
+        "--log-dir", str(logs), "--device", device, *SERVE_ARGS,
     ]  # fmt: skip
-    print(f"minipd demo: SGLang {release} in PD mode, kvwatch {kvwatch}; files in {workdir}")
+    print(
+        f"minipd demo: SGLang {release} in PD mode, kvwatch {kvwatch}, pools on {device}; "
+        f"files in {workdir}"
+    )
     proc, url = start(args, workdir)
     try:
         print("\n== Start-up lines (the essay's first check)")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_hooks import adler32, adler32_combine, adler32_torch
+from engine_hooks import adler32, adler32_combine, adler32_torch, checksum
 from engine_hooks.checksum import tensor_buffer
 
 MIB = 1 << 20
@@ -115,3 +116,32 @@ def test_out_of_range_start_values_on_empty_data(value: int) -> None:
 def test_combine_rejects_negative_length() -> None:
     with pytest.raises(ValueError):
         adler32_combine(1, 1, -1)
+
+
+def test_native_loop_is_built() -> None:
+    """The package builds engine_hooks/_pageloop.c; a missing build is a failure, not a skip."""
+    assert checksum.native_loop() is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9000), st.integers(0, 9000)), max_size=40), start_values)
+def test_address_loop_matches_zlib(spans: list[tuple[int, int]], value: int) -> None:
+    memory = torch.randint(0, 256, (18_000,), dtype=torch.uint8)
+    memory[:3000] = 0xFF
+    base = memory.data_ptr()
+    addresses = np.array([base + start for start, _ in spans], dtype=np.uint64)
+    lengths = np.array([n for _, n in spans], dtype=np.uint64)
+    raw = memory.numpy().tobytes()
+    expected = zlib.adler32(b"".join(raw[s : s + n] for s, n in spans), value)
+    assert checksum.adler32_addresses(addresses, lengths, value) == expected
+
+
+def test_address_loop_without_the_native_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    addresses = np.array([memory.data_ptr() + 100, memory.data_ptr()], dtype=np.uint64)
+    lengths = np.array([900, 50], dtype=np.uint64)
+    native = checksum.adler32_addresses(addresses, lengths, 7)
+    monkeypatch.setattr(checksum, "native_loop", lambda: None)
+    assert checksum.adler32_addresses(addresses, lengths, 7) == native
+    raw = memory.numpy().tobytes()
+    assert native == zlib.adler32(raw[100:1000] + raw[:50], 7)

@@ -19,12 +19,18 @@ def as_list(values: object) -> list[object]:
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
 )
-def test_backends_agree(dtype: torch.dtype) -> None:
-    host_pool, device_pool = make_pool("mha", dtype, 32), make_pool("mha", dtype, 32)
-    host, device = HostPages(host_pool), DevicePages(device_pool)
+@pytest.mark.parametrize(
+    ("kind", "kernel", "ops"),
+    # The device backend as torch ops, and as the Triton kernels (interpreter: fewer ops).
+    [("mha", False, 400), ("mha", True, 60), ("mla", True, 60), ("vllm", True, 60)],
+)
+def test_backends_agree(dtype: torch.dtype, kind: str, kernel: bool, ops: int) -> None:
+    host_pool, device_pool = make_pool(kind, dtype, 32), make_pool(kind, dtype, 32)
+    host, device = HostPages(host_pool), DevicePages(device_pool, kernel=kernel)
+    assert device.kernels is kernel
     rng = random.Random(3)
-    for _ in range(400):
-        pages = rng.sample(range(32), rng.randint(1, 6))
+    for _ in range(ops):
+        pages = rng.sample(range(32), rng.randint(1, 12))  # both sides of _BATCH_PAGES
         op = rng.choice(["bump", "stamp", "intact", "free", "own", "stale", "scribble"])
         h, d = host.index(pages), device.index(pages)
         purpose = rng.choice(list(canary.Purpose))

@@ -76,3 +76,28 @@ def test_a_request_is_reported_once_per_detector_and_kind(tmp_path: Path) -> Non
     assert len(contents.events(request_id="running")) == 1
     mismatches = contents.latest_counters()["mismatches"]
     assert mismatches[(("detector", "page_tag"), ("kind", "stale_tag"))] == 1
+
+
+def test_extended_tickets_are_checked_every_step_on_every_page() -> None:
+    """Decode's own pages join the ticket (``extend``): the per-step batch check covers them
+    through every growth of the ticket's cached tensor, and finds a stale one among them."""
+    pair = Pair.build("mha", torch.bfloat16, pages=256)
+    watch = pair.decode
+    first, ticket = pair.reserve("grows", 100)  # over _VECTOR_PAGES: the tensor path
+    _, other = pair.reserve("other", 3)
+    watch.state.own_writes(ticket.pages)  # type: ignore[union-attr]
+    watch.state.own_writes(other.pages)  # type: ignore[union-attr]
+    added: list[int] = []
+    for _ in range(80):  # past the cached buffer's room: appended in place, then rebuilt
+        pages, verdicts = pair.alloc("decode", 1, "grows")
+        assert verdicts == []
+        watch.extend(ticket, pages)
+        added += pages
+        assert watch.check_batch([ticket, other]) == []
+    assert ticket.tensors(watch.pool.device)[0].tolist() == first + added  # type: ignore[union-attr]
+    watch.pool.tag_store[added[-1]] += 1  # type: ignore[union-attr]
+    watch.pool.tag_store[added[5]] += 1  # type: ignore[union-attr]
+    verdicts = watch.check_batch([other, ticket])
+    assert [(v.request_id, v.kind, sorted(v.pages)) for v in verdicts] == [
+        ("grows", "stale_tag", sorted([added[5], added[-1]]))
+    ]
