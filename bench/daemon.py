@@ -73,7 +73,7 @@ def write_backlog(spool: Path, records: int, producers: int) -> int:
             "model": "glm-5.3",
             "rank": p,
             "pid": 1000 + p,
-            "host": "bench",
+            "node": "bench",
         }
         handle.write(frame("hello", hello))
         written = 1
