@@ -58,7 +58,7 @@ class IncidentRow(NamedTuple):
     kind: str
     mode: str
     action: str
-    pages: str  # comma-separated page ids
+    pages: str  # JSON array of page ids
     pages_total: int
     detail: str  # JSON object
 
@@ -128,9 +128,11 @@ CREATE TABLE IF NOT EXISTS counters (
     name TEXT NOT NULL, labels TEXT NOT NULL, value REAL NOT NULL, PRIMARY KEY (name, labels)
 );
 """
-#: Schema 1 -> 2: one word for the node; the request instance; dead letters name their record.
+#: Schema 1 -> 2: one word for the node; the request instance; dead letters name their record;
+#: pages as a JSON array (what the reader encodes fastest).
 _MIGRATE_1: Final = (
     "ALTER TABLE producers RENAME COLUMN host TO node",
+    "UPDATE incidents SET pages = '[' || pages || ']'",
     "ALTER TABLE incidents ADD COLUMN instance TEXT",
     "ALTER TABLE rejects ADD COLUMN producer TEXT",
     "ALTER TABLE rejects ADD COLUMN seq INTEGER",
@@ -426,7 +428,7 @@ class Journal:
         for row in self.db.execute(sql, args):
             item: dict[str, Any] = IncidentRow(*row)._asdict()
             item["time"] = item.pop("ts")
-            item["pages"] = [int(p) for p in item["pages"].split(",") if p]
+            item["pages"] = json.loads(item["pages"])
             item["detail"] = json.loads(item["detail"])
             out.append(item)
         return out
