@@ -233,7 +233,7 @@ def main() -> None:
         wall = min(w for w, _ in runs)
         cpu = min(c for _, c in runs)
         print(
-            f"catch-up: {total / cpu:,.0f} records/s per CPU-second (what one core gives when the daemon has it),"
+            f"catch-up: {total / cpu:,.0f} records/s per CPU-second (one core to itself),"
             f" {total / wall:,.0f} records/s wall; best of {args.rounds}"
             f" (target >= 150,000/s on one core)"
         )
