@@ -298,6 +298,12 @@ class SpoolReader:
                 return False  # stopped at the budget
             done = segment.sealed or later
             if not done and not _locked(fd):
+                # Look again now that the lock is free: the writer may have appended (and then
+                # closed) since the fstat above, which a long read can leave seconds behind.
+                # Finishing at the old size lost every record written since.
+                info = os.fstat(fd)
+                if info.st_size != size:
+                    return False  # read the rest first, next poll
                 done = time.time() - info.st_mtime >= self.idle_grace
             if not done:
                 return False
