@@ -10,7 +10,7 @@ dashboards and alerts generators all derive from these tables; none keeps its ow
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final, overload
 
 OTHER: Final = "other"
 
@@ -217,9 +217,10 @@ UNSAFE_BAND_HELP: Final = (
 )
 
 
-_Number = TypeVar("_Number", int, float)
-
-
-def unsafe_band(context_tokens: _Number, pool_tokens: _Number) -> _Number:
+@overload
+def unsafe_band(context_tokens: int, pool_tokens: int) -> int: ...
+@overload
+def unsafe_band(context_tokens: float, pool_tokens: float) -> float: ...
+def unsafe_band(context_tokens: float, pool_tokens: float) -> float:
     """Tokens of prompt length that pass the context check but do not fit the pool."""
-    return max(context_tokens - pool_tokens, context_tokens - context_tokens)
+    return max(context_tokens - pool_tokens, 0)

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvspool.catalogue import unsafe_band
+
 #: vLLM's default block size on CUDA, used for ``# GPU blocks`` when the log names none.
 DEFAULT_VLLM_BLOCK_SIZE: Final = 16
 #: Lines longer than this are not parsed (counted as ``long_line``).
@@ -177,7 +179,7 @@ class EngineView:
     def band_tokens(self) -> int | None:
         if self.pool_tokens is None or self.context_tokens is None:
             return None
-        return max(0, self.context_tokens - self.pool_tokens)
+        return unsafe_band(self.context_tokens, self.pool_tokens)
 
     def gauges(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvspool.catalogue import unsafe_band
 from kvwatch import __version__
 from kvwatch.journal import Journal, JournalError
 from kvwatch.metrics import engine_views
@@ -74,7 +75,7 @@ def _pool_chart(rows: list[tuple[tuple[str, ...], dict[str, float]]]) -> str:
     for (role, engine, model, rank, source), gauges in rows:
         pool = gauges.get("kv_pool_tokens", 0.0)
         context = gauges.get("context_length_tokens", 0.0)
-        band = max(0.0, context - pool)
+        band = unsafe_band(context, pool)
         share = band / context if context else 0.0
         pool_w, context_w = width * pool / scale, width * context / scale
         band_rect = ""

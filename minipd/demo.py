@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from engine_hooks.testing import read_spool
+from kvspool.catalogue import unsafe_band
 from minipd.launch import generate, start, stop
 
 PREFILL_POOL, DECODE_POOL, CONTEXT = 16384, 65536, 32768
@@ -72,7 +73,7 @@ def run_demo(release: str = "0.5.19", kvwatch: str = "log") -> int:
                 m = re.search(r"max_total_num_tokens=(\d+).*context_len=(\d+)", line)
                 if m:
                     pool, context = int(m.group(1)), int(m.group(2))
-                    band = max(0, context - pool)
+                    band = unsafe_band(context, pool)
                     print(f"    {role:<7} pool={pool} context={context} unsafe band={band}")
         print(f"\n== {MARKERS} users send prompts with their own code ({url})")
         markers = ["CANARY-" + secrets.token_hex(6) for _ in range(MARKERS)]
