@@ -117,8 +117,10 @@ class SpoolReader:
         # Small reads keep the memory a backlog takes small: what a catch-up allocates, the
         # allocators keep (1 MiB reads let the daemon's resident memory ratchet up by megabytes
         # after each stall). A transaction of 16,384 records costs a few MB while it is built
-        # and catches up 6% faster than one of 4,096 (bench/daemon.py).
+        # and catches up 6% faster than one of 4,096 (bench/daemon.py); on a slow or loaded
+        # machine, batch_seconds bounds how long read records wait to become durable.
         batch_records: int = 16384,
+        batch_seconds: float = 0.1,
         poll_records: int = 32768,
         chunk_bytes: int = 256 << 10,
         quarantine_dir: str | os.PathLike[str] | None = None,
@@ -130,6 +132,8 @@ class SpoolReader:
         self.allowed_uids = frozenset(allowed_uids if allowed_uids else {os.geteuid()})
         self.idle_grace = idle_grace
         self.batch_records = batch_records
+        self.batch_seconds = batch_seconds
+        self._batch_started = time.monotonic()
         self.poll_records = poll_records
         self.chunk_bytes = chunk_bytes
         self.quarantine_dir = Path(quarantine_dir) if quarantine_dir else None
@@ -326,7 +330,10 @@ class SpoolReader:
                 return True
             last = final and segment.offset + len(data) >= size
             consumed = self._consume(segment, data, final=last)
-            if len(self._batch.records) >= self.batch_records:
+            if (
+                len(self._batch.records) >= self.batch_records
+                or time.monotonic() - self._batch_started >= self.batch_seconds
+            ):
                 self._commit()
             if consumed == 0:
                 return True  # an incomplete frame at the end: wait for the rest
@@ -689,6 +696,7 @@ class SpoolReader:
         self.journal.commit(batch, self.state)
         incidents = len(batch.incidents)
         self._batch = Batch()
+        self._batch_started = time.monotonic()
         if incidents:
             self.log.warning("spool.incidents_recorded", count=incidents)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspool import encode_frame, encode_payload
+from kvwatch.journal import Journal
 
 #: Recent, so that every record falls inside the daemon's clock window.
 T0 = float(int(time.time()) - 3600)
@@ -120,3 +121,13 @@ class Producer:
                 os.write(fd, frame)
         finally:
             os.close(fd)
+
+
+def seqs(journal: Journal, producer: str) -> list[int]:
+    """The sequence numbers the journal holds for ``producer``, in commit order."""
+    rows = journal.db.execute(
+        "SELECT r.seq FROM records r JOIN producers p ON p.id = r.producer WHERE p.name = ?"
+        " ORDER BY r.rowid",
+        (producer,),
+    )
+    return [row[0] for row in rows]

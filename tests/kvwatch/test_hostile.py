@@ -21,21 +21,12 @@ from kvspool import MAGIC, encode_payload, read_segment
 from kvwatch.journal import Journal
 from kvwatch.spool_reader import SpoolReader
 from kvwatch.state import MAX_MODELS, State
-from tests.kvwatch.spoolgen import Producer
+from tests.kvwatch.spoolgen import Producer, seqs
 from tests.kvwatch.views import render_all, sample
 
 
 def raw_frame(payload: bytes) -> bytes:
     return struct.pack("<4sII", MAGIC, len(payload), zlib.crc32(payload)) + payload
-
-
-def seqs(journal: Journal, name: str) -> list[int]:
-    rows = journal.db.execute(
-        "SELECT r.seq FROM records r JOIN producers p ON p.id = r.producer WHERE p.name = ?"
-        " ORDER BY r.seq",
-        (name,),
-    )
-    return [row[0] for row in rows]
 
 
 def event_json(p: Producer, request_id: str = "r", **override: object) -> bytes:
@@ -65,18 +56,6 @@ def poison(p: Producer, which: str) -> bytes:
         return event_json(p, ts=1 << 63)
     gauges = encode_payload(p.record("gauges", {"gauges": [["kv_pool_tokens", {}, 7]]}))
     return gauges.replace(b"7]]", b"1" + b"0" * 400 + b"]]")
-
-
-@pytest.fixture
-def spool(tmp_path: Path) -> Path:
-    path = tmp_path / "spool"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
-def journal(tmp_path: Path) -> Journal:
-    return Journal(tmp_path / "journal.db")
 
 
 def reader_for(spool: Path, journal: Journal, state: State, **kwargs: object) -> SpoolReader:

@@ -13,21 +13,12 @@ from kvspool import MAX_RECORD_BYTES, encode_frame, encode_payload
 from kvwatch.journal import Journal
 from kvwatch.spool_reader import SpoolReader
 from kvwatch.state import State
-from tests.kvwatch.spoolgen import Producer
+from tests.kvwatch.spoolgen import Producer, seqs
 from tests.kvwatch.writer import spool_module
 
 
 def rejected(state: State) -> dict[str, float]:
     return {k[1][0]: v for k, v in state.daemon.items() if k[0] == "spool_rejected" and v}
-
-
-def seqs(journal: Journal, producer: str) -> list[int]:
-    rows = journal.db.execute(
-        "SELECT r.seq FROM records r JOIN producers p ON p.id = r.producer WHERE p.name = ?"
-        " ORDER BY r.rowid",
-        (producer,),
-    )
-    return [row[0] for row in rows]
 
 
 def test_records_events_and_counters_reach_the_journal(
