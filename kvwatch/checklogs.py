@@ -1,4 +1,4 @@
-"""``kvwatch check-logs``: the essay's pool-versus-context check, as a deploy gate.
+"""``kvwatch check-logs``: the incident's pool-versus-context check, as a deploy gate.
 
 Reads each node's engine log (or pasted start-up lines, one node per line, each starting with its
 role and a colon), and prints per node and role: the KV pool, the context length, the unsafe band

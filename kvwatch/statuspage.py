@@ -1,7 +1,7 @@
 """The daemon's status page at ``/``: the node's integrity at a glance, for a node with no Grafana.
 
 Three parts: the integrity state (any mismatch, aborted admission or lost record turns it red),
-pool against context for each engine role with the unsafe band drawn (like the essay's
+pool against context for each engine role with the unsafe band drawn (like the incident's
 checker), and the latest incidents from the journal. Server-rendered HTML with inline SVG: no
 script, no external asset, refreshed by the browser every few seconds.
 """

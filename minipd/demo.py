@@ -1,4 +1,4 @@
-"""``python -m minipd demo``: the essay's incident, end to end, with kvwatch watching.
+"""``python -m minipd demo``: the incident's incident, end to end, with kvwatch watching.
 
 Starts minipd as SGLang 0.5.19 in PD mode with ``--kvwatch log``, fills recent pages with
 sixteen users' unique markers, then sends one prompt in the unsafe band (longer than the prefill
@@ -67,7 +67,7 @@ def run_demo(release: str = "0.5.19", kvwatch: str = "log") -> int:
     print(f"minipd demo: SGLang {release} in PD mode, kvwatch {kvwatch}; files in {workdir}")
     proc, url = start(args, workdir)
     try:
-        print("\n== Start-up lines (the essay's first check)")
+        print("\n== Start-up lines (the incident's first check)")
         for role in ("prefill", "decode"):
             for line in (logs / f"{role}.log").read_text().splitlines():
                 m = re.search(r"max_total_num_tokens=(\d+).*context_len=(\d+)", line)
