@@ -9,7 +9,7 @@ Each line is read on its own (so interleaved lines and the two-line vLLM form ne
   length from ``Using max model len N`` or ``max_seq_len=N``.
 
 ANSI colours and thousands separators are stripped; a line may start with a role and a colon
-(``prefill: ...``), as in the incident's checker. A line that names one of these fields but cannot be
+(``prefill: ...``), as in the incident's check. A line that names one of these fields but cannot be
 read raises :class:`LineError` for the caller to count.
 """
 

@@ -14,7 +14,7 @@ from tests.alerts.tooling import tool
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: The daemon's public metrics (docs/architecture.md) and the recording rules of alerts/kvwatch.rules.yml:
+#: The public metrics (docs/architecture.md) and the recording rules of alerts/kvwatch.rules.yml:
 #: the dashboards and alerts may use these and nothing else.
 PUBLIC_METRICS = {
     "kvwatch_kv_pool_tokens",
