@@ -12,23 +12,11 @@ import pytest
 
 import kvspool
 from kvspool import SpoolWriter, read_segment, read_spool, schema
+from tests.reliability.tools import event_fields as event
 
 
 def writer(directory: Path, **kwargs: int) -> SpoolWriter:
     return SpoolWriter(directory, engine="minipd", role="decode", model="m", **kwargs)
-
-
-def event(i: int) -> dict[str, object]:
-    return {
-        "detector": "canary",
-        "kind": "unwritten_page",
-        "mode": "log",
-        "action": "logged",
-        "request_id": f"req-{i}",
-        "pages": [i, i + 1],
-        "pages_total": 2,
-        "detail": {},
-    }
 
 
 def test_records_round_trip(tmp_path: Path) -> None:
