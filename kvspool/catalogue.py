@@ -217,6 +217,116 @@ UNSAFE_BAND_HELP: Final = (
 )
 
 
+#: The labels of the families that describe an engine (its gauges, the unsafe band).
+ENGINE_LABELS: Final = ("role", "engine", "model", "rank", "source")
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A metric family the daemon exposes from its own state, not summed from producers."""
+
+    name: str
+    type: str  # "counter" or "gauge"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+#: Every other family on /metrics (with COUNTERS and GAUGES above: all of them).
+DAEMON_FAMILIES: Final = (
+    Family(
+        "kvwatch_build_info",
+        "gauge",
+        "kvwatch's version; the value is 1.",
+        ("version", "python"),
+    ),
+    Family(
+        "kvwatch_engine_info",
+        "gauge",
+        "The engines kvwatch sees; the value is 1.",
+        ("engine", "version", "role", "model"),
+    ),
+    Family("kvwatch_unsafe_band_tokens", "gauge", UNSAFE_BAND_HELP, ENGINE_LABELS),
+    Family(
+        "kvwatch_incidents",
+        "counter",
+        "Detection events committed to the journal (one per affected request and finding).",
+        ("detector", "role", "kind"),
+    ),
+    Family(
+        "kvwatch_spool_records",
+        "counter",
+        "Spool records committed to the journal.",
+    ),
+    Family(
+        "kvwatch_spool_rejected",
+        "counter",
+        "Spool frames, records or files rejected, by reason.",
+        ("reason",),
+    ),
+    Family(
+        "kvwatch_spool_clamped_records",
+        "counter",
+        "Records whose timestamp lay outside the daemon's clock window, stored with the"
+        " daemon's time instead.",
+    ),
+    Family(
+        "kvwatch_spool_lost_records",
+        "counter",
+        "Records missing from a producer's sequence numbers (never reached the daemon).",
+    ),
+    Family(
+        "kvwatch_spool_lag_bytes",
+        "gauge",
+        "Bytes in the spool not yet read.",
+    ),
+    Family(
+        "kvwatch_producers",
+        "gauge",
+        "Engine processes with a live spool segment.",
+    ),
+    Family(
+        "kvwatch_last_record_timestamp_seconds",
+        "gauge",
+        "Unix time of the newest record committed to the journal.",
+    ),
+    Family(
+        "kvwatch_log_lines",
+        "counter",
+        "Engine log lines read.",
+    ),
+    Family(
+        "kvwatch_log_errors",
+        "counter",
+        "Engine log lines that could not be read, by reason.",
+        ("reason",),
+    ),
+    Family(
+        "kvwatch_nvml_up",
+        "gauge",
+        "Whether NVML answered (0 on a node without NVIDIA GPUs).",
+    ),
+    Family(
+        "kvwatch_gpu_memory_bytes",
+        "gauge",
+        "GPU memory by state (total, used, free), from NVML.",
+        ("gpu", "state"),
+    ),
+    Family(
+        "kvwatch_collector_success",
+        "gauge",
+        "Whether the collector's last run succeeded.",
+        ("collector",),
+    ),
+    Family(
+        "kvwatch_collector_duration_seconds",
+        "gauge",
+        "How long the collector's last run took.",
+        ("collector",),
+    ),
+)
+FAMILY_BY_NAME: Final = {family.name: family for family in DAEMON_FAMILIES}
+
+
 @overload
 def unsafe_band(context_tokens: int, pool_tokens: int) -> int: ...
 @overload

@@ -22,7 +22,18 @@ from kvwatch import __version__
 from kvwatch.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS, FirstN, LabelKey, State
 
 _ROLE, _ENGINE = catalogue.ROLE.bound, catalogue.ENGINE.bound
-_ENGINE_LABELS: Final = ("role", "engine", "model", "rank", "source")
+_ENGINE_LABELS: Final = catalogue.ENGINE_LABELS
+
+
+def _family(name: str, value: float | None = None) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty family (or, without labels, one with ``value``) as the catalogue defines it."""
+    family = catalogue.FAMILY_BY_NAME[name]
+    kind = CounterMetricFamily if family.type == "counter" else GaugeMetricFamily
+    if value is not None:
+        return kind(family.name, family.help, value=value)
+    return kind(family.name, family.help, labels=list(family.labels))
+
+
 LOG_ERROR_REASONS: Final = ("unparsed", "encoding", "long_line", "read_error")
 COLLECTORS: Final = ("spool", "logs", "nvml", "journal")
 GPU_STATES: Final = ("total", "used", "free")
@@ -72,16 +83,8 @@ class KvwatchCollector(Collector):
             collectors["nvml"] = (gpu_ok or not self.gpus.up, gpu_seconds)
         yield from families
         yield from self._gpu_families(gpu_rows)
-        success = GaugeMetricFamily(
-            "kvwatch_collector_success",
-            "Whether the collector's last run succeeded.",
-            labels=["collector"],
-        )
-        duration = GaugeMetricFamily(
-            "kvwatch_collector_duration_seconds",
-            "How long the collector's last run took.",
-            labels=["collector"],
-        )
+        success = _family("kvwatch_collector_success")
+        duration = _family("kvwatch_collector_duration_seconds")
         for name in COLLECTORS:
             # Not configured, or not run yet: nothing failed.
             ok, seconds = collectors.get(name, (True, 0.0))
@@ -94,11 +97,7 @@ class KvwatchCollector(Collector):
 
     def _families(self) -> Iterator[Metric]:
         state = self.state
-        build = GaugeMetricFamily(
-            "kvwatch_build_info",
-            "kvwatch's version; the value is 1.",
-            labels=["version", "python"],
-        )
+        build = _family("kvwatch_build_info")
         build.add_metric([__version__, platform.python_version()], 1.0)
         yield build
         yield from self._engine_families()
@@ -110,64 +109,41 @@ class KvwatchCollector(Collector):
             for key in _grid(tuple(label.sorted_values for label in series.labels)):
                 metric.add_metric(list(key), totals.get((series.family, key), 0.0))
             yield metric
-        incidents = CounterMetricFamily(
-            "kvwatch_incidents",
-            "Detection events committed to the journal (one per affected request and finding).",
-            labels=["detector", "role", "kind"],
-        )
+        incidents = _family("kvwatch_incidents")
         labels = (catalogue.DETECTOR, catalogue.ROLE, catalogue.KIND)
         for key in _grid(tuple(label.sorted_values for label in labels)):
             incidents.add_metric(list(key), state.daemon.get(("incidents", key), 0.0))
         yield incidents
-        yield CounterMetricFamily(
+        yield _family(
             "kvwatch_spool_records",
-            "Spool records committed to the journal.",
             value=state.daemon.get(("spool_records", ()), 0.0),
         )
-        rejected = CounterMetricFamily(
-            "kvwatch_spool_rejected",
-            "Spool frames, records or files rejected, by reason.",
-            labels=["reason"],
-        )
+        rejected = _family("kvwatch_spool_rejected")
         for reason in catalogue.REJECT_REASON.values:
             rejected.add_metric([reason], state.daemon.get(("spool_rejected", (reason,)), 0.0))
         yield rejected
-        yield CounterMetricFamily(
+        yield _family(
             "kvwatch_spool_clamped_records",
-            "Records whose timestamp lay outside the daemon's clock window, stored with the"
-            " daemon's time instead.",
             value=state.daemon.get(("spool_clamped_records", ()), 0.0),
         )
-        yield CounterMetricFamily(
+        yield _family(
             "kvwatch_spool_lost_records",
-            "Records missing from a producer's sequence numbers (never reached the daemon).",
             value=state.daemon.get(("spool_lost_records", ()), 0.0),
         )
-        yield GaugeMetricFamily(
+        yield _family(
             "kvwatch_spool_lag_bytes",
-            "Bytes in the spool not yet read.",
             value=float(state.lag_bytes),
         )
-        yield GaugeMetricFamily(
+        yield _family(
             "kvwatch_producers",
-            "Engine processes with a live spool segment.",
             value=float(state.live_producers),
         )
-        yield GaugeMetricFamily(
-            "kvwatch_last_record_timestamp_seconds",
-            "Unix time of the newest record committed to the journal.",
-            value=state.last_record_ts,
-        )
-        yield CounterMetricFamily(
+        yield _family("kvwatch_last_record_timestamp_seconds", value=state.last_record_ts)
+        yield _family(
             "kvwatch_log_lines",
-            "Engine log lines read.",
             value=state.log_counts.get(("lines", ()), 0.0),
         )
-        errors = CounterMetricFamily(
-            "kvwatch_log_errors",
-            "Engine log lines that could not be read, by reason.",
-            labels=["reason"],
-        )
+        errors = _family("kvwatch_log_errors")
         for reason in LOG_ERROR_REASONS:
             errors.add_metric([reason], state.log_counts.get(("errors", (reason,)), 0.0))
         yield errors
@@ -180,36 +156,22 @@ class KvwatchCollector(Collector):
                 if series.name in gauges:
                     metric.add_metric(list(labels), gauges[series.name])
             yield metric
-        band = GaugeMetricFamily(
-            "kvwatch_unsafe_band_tokens", catalogue.UNSAFE_BAND_HELP, labels=list(_ENGINE_LABELS)
-        )
+        band = _family("kvwatch_unsafe_band_tokens")
         for key, gauges in sorted(latest.items()):
             pool = gauges.get("kv_pool_tokens")
             context = gauges.get("context_length_tokens")
             if pool is not None and context is not None:
                 band.add_metric(list(key), catalogue.unsafe_band(context, pool))
         yield band
-        engine_info = GaugeMetricFamily(
-            "kvwatch_engine_info",
-            "The engines kvwatch sees; the value is 1.",
-            labels=["engine", "version", "role", "model"],
-        )
+        engine_info = _family("kvwatch_engine_info")
         for row in sorted(info):
             engine_info.add_metric(list(row), 1.0)
         yield engine_info
 
     def _gpu_families(self, rows: list[tuple[str, int, int, int]]) -> Iterator[Metric]:
         up = self.gpus is not None and self.gpus.up
-        yield GaugeMetricFamily(
-            "kvwatch_nvml_up",
-            "Whether NVML answered (0 on a node without NVIDIA GPUs).",
-            value=1.0 if up else 0.0,
-        )
-        memory = GaugeMetricFamily(
-            "kvwatch_gpu_memory_bytes",
-            "GPU memory by state (total, used, free), from NVML.",
-            labels=["gpu", "state"],
-        )
+        yield _family("kvwatch_nvml_up", value=1.0 if up else 0.0)
+        memory = _family("kvwatch_gpu_memory_bytes")
         for gpu, total, used, free in rows:
             for state, value in zip(GPU_STATES, (total, used, free), strict=True):
                 memory.add_metric([gpu, state], float(value))
