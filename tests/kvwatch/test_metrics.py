@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvspool import catalogue
 from kvwatch.journal import Journal
 from kvwatch.logparse import EngineView
 from kvwatch.metrics import KvwatchCollector
@@ -135,3 +136,14 @@ def test_unknown_label_values_become_other_and_models_are_bounded(
 def test_metrics_hold_no_request_ids_or_prompt_text(spool: Path, journal: Journal) -> None:
     text = render(fixed_state(spool, journal))
     assert "req-7" not in text and "req-8" not in text
+
+
+def test_every_family_on_metrics_is_in_the_catalogue(spool: Path, journal: Journal) -> None:
+    text = render(fixed_state(spool, journal), FakeGpus())
+    exposed = {family.name for family in text_string_to_metric_families(text)}
+    catalogued = (
+        {s.family for s in catalogue.COUNTERS}
+        | {s.family for s in catalogue.GAUGES}
+        | {f.name for f in catalogue.DAEMON_FAMILIES}
+    )
+    assert exposed == catalogued
