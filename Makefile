@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
 demo: $(STAMP)
 	$(PY) -m demo
 
-# The detectors alone, in one process: the essay's 8 pages and four other failure classes.
+# The detectors alone, in one process: the incident's 8 pages and four other failure classes.
 walkthrough: $(STAMP)
 	$(PY) -m engine_hooks.walkthrough
 

@@ -2,7 +2,7 @@
 
 Each run starts a fresh stack (minipd as SGLang 0.5.19 with kvwatch log, the daemon, Prometheus
 with 1 s scrape and evaluation, Alertmanager with a 1 s group wait, a webhook receiver), plants
-the essay's markers, sends one prompt in the unsafe band, and measures the seconds until the
+the incident's markers, sends one prompt in the unsafe band, and measures the seconds until the
 KVIntegrityMismatch notification reaches the webhook. Prints each run and the median, and the
 share of it that the configured intervals account for (the baseline of the same run).
 

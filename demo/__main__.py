@@ -3,7 +3,7 @@
 Starts minipd as SGLang 0.5.19 in PD mode with kvwatch's hooks in log mode, the kvwatch daemon,
 Prometheus with kvwatch's alert rules and Alertmanager (from Debian's packages: installed when
 missing and running as root, otherwise the demo says how and runs the rest), and a webhook
-receiver standing in for the pager. Then it replays the essay: sixteen users plant codes, one
+receiver standing in for the pager. Then it replays the incident: sixteen users plant codes, one
 prompt lands in the unsafe band, the reply carries other users' codes, and the page arrives.
 
 On a terminal it keeps everything running until Ctrl-C, so you can look around; otherwise it

@@ -35,7 +35,7 @@ ALERTMANAGER_EXAMPLE = REPO / "alerts" / "alertmanager.example.yml"
 PROMETHEUS_BIN = "prometheus"
 ALERTMANAGER_BIN = "prometheus-alertmanager"
 NODE = "demo-node"
-# The essay's shape at minipd's size: the prefill pool is the small one, decode reserves the
+# The incident's shape at minipd's size: the prefill pool is the small one, decode reserves the
 # whole prompt, the context sits between them.
 PREFILL_POOL, DECODE_POOL, CONTEXT = 16384, 65536, 32768
 SERVE_ARGS = [

@@ -1,4 +1,4 @@
-"""The essay's 8-page walkthrough, in one process, with every detector watching.
+"""The incident's 8-page walkthrough, in one process, with every detector watching.
 
 Run: ``python -m engine_hooks.walkthrough [--spool DIR] [--mode log|enforce]``.
 
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def transfer(
         rid: str, prompt_pages: int, written_pages: int, seed: int
     ) -> tuple[list[int], Ticket]:
-        """The essay's three steps: decode reserves, prefill writes and seals, decode admits."""
+        """The incident's three steps: decode reserves, prefill writes and seals, decode admits."""
         dst = d_alloc.alloc(prompt_pages, rid)
         ticket = decode.on_reserve(rid, dst)
         assert ticket is not None

@@ -51,6 +51,7 @@ from engine_hooks.detectors import (
     TransferChecksum,
     Verdict,
 )
+from engine_hooks.guard import never_raise
 from engine_hooks.pagestate import Ints, page_state
 from engine_hooks.pool import PagedKVPool, PageIds
 from engine_hooks.spool import SpoolWriter
@@ -130,24 +131,27 @@ def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
 def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Time a hook into ``hook_seconds{hook}`` and turn any exception into a counted no-op."""
 
+    def failed(_method: Callable[..., Any], args: tuple[Any, ...], _error: Exception) -> None:
+        watch = args[0]
+        watch.stats.add("hook_errors", (name,))
+        for detector in watch.detectors_of(name):
+            watch.stats.skipped(detector, "hook_error")
+
     def wrap(method: Callable[P, R]) -> Callable[P, R]:
+        guarded = never_raise(failed, fallback)(method)
+
         @functools.wraps(method)
-        def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+        def timed(*args: P.args, **kwargs: P.kwargs) -> R:
             watch = args[0]
             assert isinstance(watch, KVWatch)
             started = time.perf_counter()
             try:
-                return method(*args, **kwargs)
-            except Exception:
-                watch.stats.add("hook_errors", (name,))
-                for detector in watch.detectors_of(name):
-                    watch.stats.skipped(detector, "hook_error")
-                result: R = fallback()
+                result: R = guarded(*args, **kwargs)
                 return result
             finally:
                 watch.stats.add("hook_seconds", (name,), time.perf_counter() - started)
 
-        return guarded
+        return timed
 
     return wrap
 

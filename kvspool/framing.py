@@ -3,7 +3,8 @@
 A segment is a sequence of frames: ``MAGIC | length (u32 LE) | crc32(payload) (u32 LE) | payload``.
 A producer writes one frame per ``write()`` on an ``O_APPEND`` descriptor, so a reader sees whole
 frames except for the last one of a producer killed mid-write (a torn tail). After a damaged frame
-the reader resynchronises on the next ``MAGIC`` whose CRC checks out.
+the reader resynchronises on the next ``MAGIC`` after the damaged frame's start, never on the end
+its (possibly damaged) length claims: every intact frame after damage is read.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
-from kvspool.schema import MAX_RECORD_BYTES
+from kvspool.records import MAX_RECORD_BYTES
 
 MAGIC: Final = b"KVWR"
 HEADER: Final = struct.Struct("<4sII")
@@ -26,51 +26,64 @@ def encode_frame(payload: bytes) -> bytes:
     return HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One frame found in a buffer: ``payload`` when intact, else ``error`` names why not."""
+class Frame(NamedTuple):
+    """One frame found in a buffer: ``payload`` when intact, else ``error`` names why not.
+    (A named tuple: one is made per record, and a tuple is the cheapest to make.)"""
 
     offset: int
     end: int
     payload: bytes | None = None
-    error: str | None = None  # "crc", "oversize", "framing"
+    error: str | None = None  # "crc", "oversize", "framing", "torn"
+    #: Damage that runs on past the end of the buffer (no magic after it yet): the caller
+    #: counts the damage once, not again when it reads on from ``end``.
+    open: bool = False
 
 
-def iter_frames(buf: bytes, offset: int = 0) -> Iterator[Frame]:
+def iter_frames(buf: bytes, offset: int = 0, *, final: bool = False) -> Iterator[Frame]:
     """Yield the frames of ``buf`` from ``offset``.
 
-    Stops before an incomplete frame at the end (the caller decides whether that is a torn tail or
-    a frame still being written): the last yielded ``end`` is where to resume.
+    Not ``final`` (the segment may still grow): stops before an incomplete frame at the end (a
+    frame still being written), and the last yielded ``end`` is where to resume. ``final`` (no
+    more bytes will come): an incomplete frame is damage (``torn``) and reading resumes at the
+    next magic after it, so a damaged length pointing past the end loses no frame behind it.
     """
     view = memoryview(buf)
     size = len(buf)
     pos = offset
+    find = buf.find
     while pos + HEADER_BYTES <= size:
         magic, length, crc = HEADER.unpack_from(view, pos)
         if magic != MAGIC or length > MAX_RECORD_BYTES:
-            found = buf.find(MAGIC, pos + 1)
-            nxt = None if found < 0 else found
-            if nxt is None:
-                # Keep the last few bytes: they may be the start of a magic still being written.
-                keep = max(pos + 1, size - HEADER_BYTES + 1)
-                yield Frame(pos, keep, error="oversize" if magic == MAGIC else "framing")
+            error = "oversize" if magic == MAGIC else "framing"
+        else:
+            end = pos + HEADER_BYTES + length
+            if end > size:
+                if not final:
+                    return
+                error = "torn"
+            else:
+                payload = bytes(view[pos + HEADER_BYTES : end])
+                if zlib.crc32(payload) == crc:
+                    yield Frame(pos, end, payload)
+                    pos = end
+                    continue
+                error = "crc"
+        nxt = find(MAGIC, pos + 1)
+        if nxt < 0 and error == "crc":
+            # No frame can start in the rest of the buffer: resume where this one claims to end
+            # (what follows may be the start of a frame still being written).
+            yield Frame(pos, end, error=error)
+            pos = end
+            continue
+        if nxt < 0:
+            if final:
+                yield Frame(pos, size, error=error)
                 return
-            yield Frame(pos, nxt, error="oversize" if magic == MAGIC else "framing")
-            pos = nxt
-            continue
-        end = pos + HEADER_BYTES + length
-        if end > size:
+            # Keep the last bytes: they may be the start of a magic still being written.
+            keep = max(pos + 1, size - len(MAGIC) + 1)
+            yield Frame(pos, keep, error=error, open=True)
             return
-        payload = bytes(view[pos + HEADER_BYTES : end])
-        if zlib.crc32(payload) != crc:
-            found = -1
-            if end < size and not buf.startswith(MAGIC, end):
-                # The damage may be in the length itself: rather than jump over frames that may
-                # be intact, resynchronise on the next magic after this header.
-                found = buf.find(MAGIC, pos + 1, end)
-            nxt = end if found < 0 else found
-            yield Frame(pos, nxt, error="crc")
-            pos = nxt
-            continue
-        yield Frame(pos, end, payload=payload)
-        pos = end
+        yield Frame(pos, nxt, error=error)
+        pos = nxt
+    if final and pos < size:
+        yield Frame(pos, size, error="torn")

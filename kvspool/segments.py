@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvspool.framing import SEGMENT_SUFFIX, iter_frames
 from kvspool.schema import SchemaError, decode_payload
 
@@ -43,21 +45,18 @@ class SpoolContents:
 def read_segment(
     path: str | os.PathLike[str], contents: SpoolContents | None = None
 ) -> SpoolContents:
-    """Decode every frame of one segment file; a trailing incomplete frame counts as ``torn``."""
+    """Decode every frame of one segment file, as plain dicts; an incomplete frame counts as
+    ``torn``, and every intact frame after damage is read."""
     contents = contents if contents is not None else SpoolContents()
     data = Path(path).read_bytes()
-    end = 0
-    for frame in iter_frames(data):
-        end = frame.end
+    for frame in iter_frames(data, final=True):
         if frame.payload is None:
             contents.errors[frame.error or "framing"] += 1
             continue
         try:
-            contents.records.append(decode_payload(frame.payload))
+            contents.records.append(msgspec.to_builtins(decode_payload(frame.payload)))
         except SchemaError as exc:
             contents.errors[exc.reason] += 1
-    if end < len(data):
-        contents.errors["torn"] += 1
     return contents
 
 

@@ -1,4 +1,4 @@
-"""``kvwatch check-logs``: the essay's pool-versus-context check, as a deploy gate.
+"""``kvwatch check-logs``: the incident's pool-versus-context check, as a deploy gate.
 
 Reads each node's engine log (or pasted start-up lines, one node per line, each starting with its
 role and a colon), and prints per node and role: the KV pool, the context length, the unsafe band
@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
+from kvspool.catalogue import unsafe_band
 from kvwatch.logparse import LogParser
 
 EXIT_OK = 0
@@ -53,7 +54,7 @@ def check_text(node: str, lines: list[str], role: str | None = None) -> list[Row
     for view in parser.views.values():
         if view.pool_tokens is None or view.context_tokens is None:
             continue
-        band = max(0, view.context_tokens - view.pool_tokens)
+        band = unsafe_band(view.context_tokens, view.pool_tokens)
         share = band / view.context_tokens if view.context_tokens else 0.0
         row = Row(
             node,

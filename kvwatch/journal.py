@@ -17,8 +17,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple, get_args, get_type_hints
 
+import msgspec
+
+from kvspool.records import CounterSeries
 from kvwatch.state import (
     LabelKey,
     Producer,
@@ -29,18 +32,79 @@ from kvwatch.state import (
     totals,
 )
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 #: Retired producers kept in memory (and in the producers table) before the oldest are folded.
 MAX_RETIRED_PRODUCERS: Final = 1024
 #: A retired producer is never folded sooner: one whose spool directory was removed comes back
 #: with new segments within seconds, and folding it would count its counters twice.
 RETIRED_GRACE: Final = 600.0
 
-_SCHEMA = """
+
+class IncidentRow(NamedTuple):
+    """One row of ``incidents``: the table, its INSERT and its SELECT derive from this."""
+
+    ts: float
+    node: str
+    role: str
+    engine: str
+    engine_version: str
+    model: str
+    rank: int
+    producer: str
+    seq: int
+    request_id: str
+    instance: str | None
+    detector: str
+    kind: str
+    mode: str
+    action: str
+    pages: str  # JSON array of page ids
+    pages_total: int
+    detail: str  # JSON object
+
+
+class RejectRow(NamedTuple):
+    """One row of ``rejects``: a frame, record or file the reader did not store, and why. A
+    dead-lettered record (reason "internal") names its producer and sequence number."""
+
+    ts: float
+    segment: str
+    offset: int
+    length: int
+    reason: str
+    message: str
+    producer: str | None = None
+    seq: int | None = None
+
+
+_SQL_TYPES: Final = {float: "REAL", int: "INTEGER", str: "TEXT"}
+
+
+def _columns(row: type[tuple[Any, ...]]) -> str:
+    out = []
+    for name, hint in get_type_hints(row).items():
+        args = get_args(hint)
+        base = next(a for a in args if a is not type(None)) if args else hint
+        null = "" if args else " NOT NULL"
+        out.append(f"{name} {_SQL_TYPES[base]}{null}")
+    return ", ".join(out)
+
+
+def _insert(table: str, row: type[tuple[Any, ...]]) -> str:
+    fields: tuple[str, ...] = row._fields  # type: ignore[attr-defined]
+    return f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})"
+
+
+def _select(table: str, row: type[tuple[Any, ...]]) -> str:
+    fields: tuple[str, ...] = row._fields  # type: ignore[attr-defined]
+    return f"SELECT {', '.join(fields)} FROM {table}"
+
+
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS producers (
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE,
-    engine TEXT, engine_version TEXT, role TEXT, model TEXT, rank INTEGER, host TEXT,
+    engine TEXT, engine_version TEXT, role TEXT, model TEXT, rank INTEGER, node TEXT,
     pid INTEGER, first_seen REAL, last_ts REAL, last_seq INTEGER NOT NULL,
     counters TEXT NOT NULL, gauges TEXT NOT NULL, retired INTEGER NOT NULL, retired_at REAL
 );
@@ -53,17 +117,9 @@ CREATE TABLE IF NOT EXISTS segments (
 CREATE TABLE IF NOT EXISTS records (
     producer INTEGER NOT NULL, seq INTEGER NOT NULL, type TEXT NOT NULL, ts REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS incidents (
-    id INTEGER PRIMARY KEY, ts REAL NOT NULL, node TEXT, role TEXT, engine TEXT,
-    engine_version TEXT, model TEXT, rank INTEGER, producer TEXT NOT NULL, seq INTEGER NOT NULL,
-    request_id TEXT NOT NULL, detector TEXT NOT NULL, kind TEXT NOT NULL, mode TEXT,
-    action TEXT, pages TEXT NOT NULL, pages_total INTEGER NOT NULL, detail TEXT NOT NULL
-);
+CREATE TABLE IF NOT EXISTS incidents (id INTEGER PRIMARY KEY, {_columns(IncidentRow)});
 CREATE INDEX IF NOT EXISTS incidents_ts ON incidents (ts);
-CREATE TABLE IF NOT EXISTS rejects (
-    id INTEGER PRIMARY KEY, ts REAL NOT NULL, segment TEXT NOT NULL, offset INTEGER NOT NULL,
-    length INTEGER NOT NULL, reason TEXT NOT NULL, message TEXT NOT NULL
-);
+CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY, {_columns(RejectRow)});
 CREATE TABLE IF NOT EXISTS gaps (
     id INTEGER PRIMARY KEY, ts REAL NOT NULL, producer TEXT NOT NULL,
     first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL
@@ -72,6 +128,24 @@ CREATE TABLE IF NOT EXISTS counters (
     name TEXT NOT NULL, labels TEXT NOT NULL, value REAL NOT NULL, PRIMARY KEY (name, labels)
 );
 """
+#: Schema 1 -> 2: one word for the node; the request instance; dead letters name their record;
+#: pages as a JSON array (what the reader encodes fastest).
+_MIGRATE_1: Final = (
+    "ALTER TABLE producers RENAME COLUMN host TO node",
+    "UPDATE incidents SET pages = '[' || pages || ']'",
+    "ALTER TABLE incidents ADD COLUMN instance TEXT",
+    "ALTER TABLE rejects ADD COLUMN producer TEXT",
+    "ALTER TABLE rejects ADD COLUMN seq INTEGER",
+)
+_INSERT_INCIDENT: Final = _insert("incidents", IncidentRow)
+_INSERT_REJECT: Final = _insert("rejects", RejectRow)
+_SELECT_INCIDENTS: Final = _select("incidents", IncidentRow)
+_PRODUCER_COLUMNS: Final = (
+    "id, name, engine, engine_version, role, model, rank, node, pid, first_seen, last_ts,"
+    " last_seq, counters, gauges, retired, retired_at"
+)
+_decode_counters: Final = msgspec.json.Decoder(list[CounterSeries]).decode
+_encode_json: Final = msgspec.json.Encoder().encode
 
 _SEP: Final = "\x1f"  # joins label values in the counters table
 
@@ -89,8 +163,8 @@ class Batch:
     """What one transaction writes: rows to add and the state rows they change."""
 
     records: list[tuple[int, int, str, float]] = field(default_factory=list)
-    incidents: list[tuple[Any, ...]] = field(default_factory=list)
-    rejects: list[tuple[float, str, int, int, str, str]] = field(default_factory=list)
+    incidents: list[IncidentRow] = field(default_factory=list)
+    rejects: list[RejectRow] = field(default_factory=list)
     gaps: list[tuple[float, str, int, int]] = field(default_factory=list)
     segments: dict[str, Segment] = field(default_factory=dict)
     producers: dict[str, Producer] = field(default_factory=dict)
@@ -134,12 +208,25 @@ class Journal:
         # spool on tmpfs goes with the power anyway).
         self.db.execute("PRAGMA synchronous = NORMAL")
         self.db.execute("PRAGMA busy_timeout = 5000")
-        self.db.executescript(_SCHEMA)
-        row = self.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-        if row is None:
-            self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) != SCHEMA_VERSION:
+        has_meta = self.db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+        ).fetchone()
+        row = has_meta and self.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if row and int(row[0]) == 1:
+            self.db.execute("BEGIN IMMEDIATE")
+            for statement in _MIGRATE_1:
+                self.db.execute(statement)
+            self.db.execute(
+                "UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),)
+            )
+            self.db.execute("COMMIT")
+        elif row and int(row[0]) != SCHEMA_VERSION:
             raise JournalError(f"{self.path}: journal schema {row[0]}, expected {SCHEMA_VERSION}")
+        self.db.executescript(_SCHEMA)
+        if not row:
+            self.db.execute(
+                "INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
+            )
 
     def close(self) -> None:
         self.db.close()
@@ -149,10 +236,7 @@ class Journal:
     def load(self) -> State:
         """The state as last committed."""
         state = State()
-        for row in self.db.execute(
-            "SELECT id, name, engine, engine_version, role, model, rank, host, pid, first_seen,"
-            " last_ts, last_seq, counters, gauges, retired, retired_at FROM producers ORDER BY id"
-        ):
+        for row in self.db.execute(f"SELECT {_PRODUCER_COLUMNS} FROM producers ORDER BY id"):
             producer = Producer(
                 name=row[1],
                 id=row[0],
@@ -161,22 +245,18 @@ class Journal:
                 role=row[4],
                 model=row[5],
                 rank=row[6],
-                host=row[7],
+                node=row[7] or "",
                 pid=row[8],
                 first_seen=row[9],
                 last_ts=row[10],
                 last_seq=row[11],
-                counters=json.loads(row[12]),
+                counters=_decode_counters(row[12]),
                 gauges=json.loads(row[13]),
                 retired=bool(row[14]),
                 retired_at=row[15] or 0.0,
             )
             state.producers[producer.name] = producer
             state.next_producer_id = max(state.next_producer_id, producer.id + 1)
-            if not producer.retired:
-                state.models(producer.model)
-                state.versions(producer.engine_version)
-                state.ranks(producer.rank)
         row = self.db.execute("SELECT value FROM meta WHERE key = 'next_producer_id'").fetchone()
         if row is not None:
             state.next_producer_id = max(state.next_producer_id, int(row[0]))
@@ -219,18 +299,9 @@ class Journal:
             if batch.records:
                 db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", batch.records)
             if batch.incidents:
-                db.executemany(
-                    "INSERT INTO incidents (ts, node, role, engine, engine_version, model, rank,"
-                    " producer, seq, request_id, detector, kind, mode, action, pages, pages_total,"
-                    " detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    batch.incidents,
-                )
+                db.executemany(_INSERT_INCIDENT, batch.incidents)
             if batch.rejects:
-                db.executemany(
-                    "INSERT INTO rejects (ts, segment, offset, length, reason, message)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
-                    batch.rejects,
-                )
+                db.executemany(_INSERT_REJECT, batch.rejects)
             if batch.gaps:
                 db.executemany(
                     "INSERT INTO gaps (ts, producer, first_seq, last_seq) VALUES (?, ?, ?, ?)",
@@ -238,8 +309,8 @@ class Journal:
                 )
             if batch.producers:
                 db.executemany(
-                    "INSERT OR REPLACE INTO producers VALUES"
-                    " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    f"INSERT OR REPLACE INTO producers ({_PRODUCER_COLUMNS})"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [_producer_row(p) for p in batch.producers.values()],
                 )
             if batch.segments:
@@ -341,11 +412,7 @@ class Journal:
     def incidents(
         self, *, since: float | None = None, detector: str | None = None
     ) -> list[dict[str, Any]]:
-        sql = (
-            "SELECT ts, node, role, engine, engine_version, model, rank, producer, seq,"
-            " request_id, detector, kind, mode, action, pages, pages_total, detail"
-            " FROM incidents"
-        )
+        sql = _SELECT_INCIDENTS
         where: list[str] = []
         args: list[Any] = []
         if since is not None:
@@ -359,27 +426,11 @@ class Journal:
         sql += " ORDER BY ts, id"
         out = []
         for row in self.db.execute(sql, args):
-            out.append(
-                {
-                    "time": row[0],
-                    "node": row[1],
-                    "role": row[2],
-                    "engine": row[3],
-                    "engine_version": row[4],
-                    "model": row[5],
-                    "rank": row[6],
-                    "producer": row[7],
-                    "seq": row[8],
-                    "request_id": row[9],
-                    "detector": row[10],
-                    "kind": row[11],
-                    "mode": row[12],
-                    "action": row[13],
-                    "pages": [int(p) for p in row[14].split(",") if p],
-                    "pages_total": row[15],
-                    "detail": json.loads(row[16]),
-                }
-            )
+            item: dict[str, Any] = IncidentRow(*row)._asdict()
+            item["time"] = item.pop("ts")
+            item["pages"] = json.loads(item["pages"])
+            item["detail"] = json.loads(item["detail"])
+            out.append(item)
         return out
 
     def scalar(self, sql: str, args: Iterable[Any] = ()) -> Any:
@@ -396,13 +447,13 @@ def _producer_row(p: Producer) -> tuple[Any, ...]:
         p.role,
         p.model,
         p.rank,
-        p.host,
+        p.node,
         p.pid,
         p.first_seen,
         p.last_ts,
         p.last_seq,
-        json.dumps(p.counters, separators=(",", ":")),
-        json.dumps(p.gauges, separators=(",", ":")),
+        _encode_json(p.counters).decode(),
+        _encode_json(p.gauges).decode(),
         int(p.retired),
         p.retired_at,
     )

@@ -9,7 +9,7 @@ Each line is read on its own (so interleaved lines and the two-line vLLM form ne
   length from ``Using max model len N`` or ``max_seq_len=N``.
 
 ANSI colours and thousands separators are stripped; a line may start with a role and a colon
-(``prefill: ...``), as in the essay's checker. A line that names one of these fields but cannot be
+(``prefill: ...``), as in the incident's check. A line that names one of these fields but cannot be
 read raises :class:`LineError` for the caller to count.
 """
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Final
+
+from kvspool.catalogue import unsafe_band
 
 #: vLLM's default block size on CUDA, used for ``# GPU blocks`` when the log names none.
 DEFAULT_VLLM_BLOCK_SIZE: Final = 16
@@ -177,7 +179,7 @@ class EngineView:
     def band_tokens(self) -> int | None:
         if self.pool_tokens is None or self.context_tokens is None:
             return None
-        return max(0, self.context_tokens - self.pool_tokens)
+        return unsafe_band(self.context_tokens, self.pool_tokens)
 
     def gauges(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -1,8 +1,9 @@
 """/metrics: one custom Collector that renders the daemon's state at scrape time.
 
-Every family in DESIGN.md, bounded labels only, every series with a known label set initialised to
-0. Gauges that describe an engine (pool, context, page size, unsafe band, engine info) exist for
-the producers that are alive and the engine logs being watched, with ``source`` saying which.
+Every family in docs/architecture.md, bounded labels only, every series with a known label set
+initialised to 0. Gauges that describe an engine (pool, context, page size, unsafe band, engine
+info) exist for the producers that are alive and the engine logs being watched, with ``source``
+saying which. The hook-fed families and their labels come from kvspool's catalogue.
 """
 
 from __future__ import annotations
@@ -16,65 +17,23 @@ from typing import Final, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvspool import catalogue
 from kvwatch import __version__
-from kvwatch.state import (
-    DROP_REASONS,
-    LABEL_SETS,
-    OTHER,
-    REJECT_REASONS,
-    SKIP_REASONS,
-    LabelKey,
-    State,
-    bound,
-)
+from kvwatch.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS, FirstN, LabelKey, State
 
-#: Families fed by the hooks' cumulative counters: family -> (help, label names, value sets).
-_HOOK_FAMILIES: Final[dict[str, tuple[str, tuple[str, ...], tuple[tuple[str, ...], ...]]]] = {
-    "kvwatch_verifications": (
-        "Requests a detector verified, summed over engine processes.",
-        ("detector", "role"),
-        (LABEL_SETS["detector"], LABEL_SETS["role"]),
-    ),
-    "kvwatch_verifications_skipped": (
-        "Requests a detector did not verify, by reason.",
-        ("detector", "role", "reason"),
-        (LABEL_SETS["detector"], LABEL_SETS["role"], SKIP_REASONS),
-    ),
-    "kvwatch_mismatches": (
-        "KV integrity mismatches found by a detector: a request read pages it did not write.",
-        ("detector", "role", "kind"),
-        (LABEL_SETS["detector"], LABEL_SETS["role"], LABEL_SETS["kind"]),
-    ),
-    "kvwatch_aborted_admissions": (
-        "Aborted requests that an admission queue let through.",
-        ("queue", "role"),
-        (LABEL_SETS["queue"], LABEL_SETS["role"]),
-    ),
-    "kvwatch_hook_seconds": (
-        "Time spent inside kvwatch's engine hooks.",
-        ("hook", "role"),
-        (LABEL_SETS["hook"], LABEL_SETS["role"]),
-    ),
-    "kvwatch_hook_errors": (
-        "Exceptions caught inside kvwatch's engine hooks (the engine never sees them).",
-        ("hook", "role"),
-        (LABEL_SETS["hook"], LABEL_SETS["role"]),
-    ),
-    "kvwatch_spool_dropped_records": (
-        "Records the hooks could not write to the spool, by reason.",
-        ("reason",),
-        (DROP_REASONS,),
-    ),
-}
-_ENGINE_GAUGES: Final = {
-    "kv_pool_tokens": ("kvwatch_kv_pool_tokens", "Tokens the engine's KV pool holds."),
-    "context_length_tokens": (
-        "kvwatch_context_length_tokens",
-        "The longest prompt the engine accepts (its advertised context length).",
-    ),
-    "page_size_tokens": ("kvwatch_page_size_tokens", "Tokens per KV page."),
-}
-_ENGINE_LABELS: Final = ("role", "engine", "model", "rank", "source")
+_ROLE, _ENGINE = catalogue.ROLE.bound, catalogue.ENGINE.bound
+_ENGINE_LABELS: Final = catalogue.ENGINE_LABELS
+
+
+def _family(name: str, value: float | None = None) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty family (or, without labels, one with ``value``) as the catalogue defines it."""
+    family = catalogue.FAMILY_BY_NAME[name]
+    kind = CounterMetricFamily if family.type == "counter" else GaugeMetricFamily
+    if value is not None:
+        return kind(family.name, family.help, value=value)
+    return kind(family.name, family.help, labels=list(family.labels))
+
+
 LOG_ERROR_REASONS: Final = ("unparsed", "encoding", "long_line", "read_error")
 COLLECTORS: Final = ("spool", "logs", "nvml", "journal")
 GPU_STATES: Final = ("total", "used", "free")
@@ -124,16 +83,8 @@ class KvwatchCollector(Collector):
             collectors["nvml"] = (gpu_ok or not self.gpus.up, gpu_seconds)
         yield from families
         yield from self._gpu_families(gpu_rows)
-        success = GaugeMetricFamily(
-            "kvwatch_collector_success",
-            "Whether the collector's last run succeeded.",
-            labels=["collector"],
-        )
-        duration = GaugeMetricFamily(
-            "kvwatch_collector_duration_seconds",
-            "How long the collector's last run took.",
-            labels=["collector"],
-        )
+        success = _family("kvwatch_collector_success")
+        duration = _family("kvwatch_collector_duration_seconds")
         for name in COLLECTORS:
             # Not configured, or not run yet: nothing failed.
             ok, seconds = collectors.get(name, (True, 0.0))
@@ -146,123 +97,88 @@ class KvwatchCollector(Collector):
 
     def _families(self) -> Iterator[Metric]:
         state = self.state
-        build = GaugeMetricFamily(
-            "kvwatch_build_info",
-            "kvwatch's version; the value is 1.",
-            labels=["version", "python"],
-        )
+        build = _family("kvwatch_build_info")
         build.add_metric([__version__, platform.python_version()], 1.0)
         yield build
         yield from self._engine_families()
         totals = state.hook_counter_totals()
-        for family, (text, labels, sets) in _HOOK_FAMILIES.items():
-            metric = CounterMetricFamily(family, text, labels=list(labels))
-            for key in _grid(sets):
-                metric.add_metric(list(key), totals.get((family, key), 0.0))
+        for series in catalogue.COUNTERS:
+            metric = CounterMetricFamily(
+                series.family, series.help, labels=list(series.label_names)
+            )
+            for key in _grid(tuple(label.sorted_values for label in series.labels)):
+                metric.add_metric(list(key), totals.get((series.family, key), 0.0))
             yield metric
-        incidents = CounterMetricFamily(
-            "kvwatch_incidents",
-            "Detection events committed to the journal (one per affected request and finding).",
-            labels=["detector", "role", "kind"],
-        )
-        for key in _grid((LABEL_SETS["detector"], LABEL_SETS["role"], LABEL_SETS["kind"])):
+        incidents = _family("kvwatch_incidents")
+        labels = (catalogue.DETECTOR, catalogue.ROLE, catalogue.KIND)
+        for key in _grid(tuple(label.sorted_values for label in labels)):
             incidents.add_metric(list(key), state.daemon.get(("incidents", key), 0.0))
         yield incidents
-        yield CounterMetricFamily(
+        yield _family(
             "kvwatch_spool_records",
-            "Spool records committed to the journal.",
             value=state.daemon.get(("spool_records", ()), 0.0),
         )
-        rejected = CounterMetricFamily(
-            "kvwatch_spool_rejected",
-            "Spool frames, records or files rejected, by reason.",
-            labels=["reason"],
-        )
-        for reason in REJECT_REASONS:
+        rejected = _family("kvwatch_spool_rejected")
+        for reason in catalogue.REJECT_REASON.values:
             rejected.add_metric([reason], state.daemon.get(("spool_rejected", (reason,)), 0.0))
         yield rejected
-        yield CounterMetricFamily(
+        yield _family(
+            "kvwatch_spool_clamped_records",
+            value=state.daemon.get(("spool_clamped_records", ()), 0.0),
+        )
+        yield _family(
             "kvwatch_spool_lost_records",
-            "Records missing from a producer's sequence numbers (never reached the daemon).",
             value=state.daemon.get(("spool_lost_records", ()), 0.0),
         )
-        yield GaugeMetricFamily(
+        yield _family(
             "kvwatch_spool_lag_bytes",
-            "Bytes in the spool not yet read.",
             value=float(state.lag_bytes),
         )
-        yield GaugeMetricFamily(
+        yield _family(
             "kvwatch_producers",
-            "Engine processes with a live spool segment.",
             value=float(state.live_producers),
         )
-        yield GaugeMetricFamily(
-            "kvwatch_last_record_timestamp_seconds",
-            "Unix time of the newest record committed to the journal.",
-            value=state.last_record_ts,
-        )
-        yield CounterMetricFamily(
+        yield _family("kvwatch_last_record_timestamp_seconds", value=state.last_record_ts)
+        yield _family(
             "kvwatch_log_lines",
-            "Engine log lines read.",
             value=state.log_counts.get(("lines", ()), 0.0),
         )
-        errors = CounterMetricFamily(
-            "kvwatch_log_errors",
-            "Engine log lines that could not be read, by reason.",
-            labels=["reason"],
-        )
+        errors = _family("kvwatch_log_errors")
         for reason in LOG_ERROR_REASONS:
             errors.add_metric([reason], state.log_counts.get(("errors", (reason,)), 0.0))
         yield errors
 
     def _engine_families(self) -> Iterator[Metric]:
         latest, info = engine_views(self.state)
-        for name, (family, text) in _ENGINE_GAUGES.items():
-            metric = GaugeMetricFamily(family, text, labels=list(_ENGINE_LABELS))
+        for series in catalogue.GAUGES:
+            metric = GaugeMetricFamily(series.family, series.help, labels=list(_ENGINE_LABELS))
             for labels, gauges in sorted(latest.items()):
-                if name in gauges:
-                    metric.add_metric(list(labels), gauges[name])
+                if series.name in gauges:
+                    metric.add_metric(list(labels), gauges[series.name])
             yield metric
-        band = GaugeMetricFamily(
-            "kvwatch_unsafe_band_tokens",
-            "Prompt lengths that pass the context check but do not fit the KV pool:"
-            " max(0, context - pool). Above 0, a rejected prompt can read other users' pages.",
-            labels=list(_ENGINE_LABELS),
-        )
+        band = _family("kvwatch_unsafe_band_tokens")
         for key, gauges in sorted(latest.items()):
             pool = gauges.get("kv_pool_tokens")
             context = gauges.get("context_length_tokens")
             if pool is not None and context is not None:
-                band.add_metric(list(key), max(0.0, context - pool))
+                band.add_metric(list(key), catalogue.unsafe_band(context, pool))
         yield band
-        engine_info = GaugeMetricFamily(
-            "kvwatch_engine_info",
-            "The engines kvwatch sees; the value is 1.",
-            labels=["engine", "version", "role", "model"],
-        )
+        engine_info = _family("kvwatch_engine_info")
         for row in sorted(info):
             engine_info.add_metric(list(row), 1.0)
         yield engine_info
 
     def _gpu_families(self, rows: list[tuple[str, int, int, int]]) -> Iterator[Metric]:
         up = self.gpus is not None and self.gpus.up
-        yield GaugeMetricFamily(
-            "kvwatch_nvml_up",
-            "Whether NVML answered (0 on a node without NVIDIA GPUs).",
-            value=1.0 if up else 0.0,
-        )
-        memory = GaugeMetricFamily(
-            "kvwatch_gpu_memory_bytes",
-            "GPU memory by state (total, used, free), from NVML.",
-            labels=["gpu", "state"],
-        )
+        yield _family("kvwatch_nvml_up", value=1.0 if up else 0.0)
+        memory = _family("kvwatch_gpu_memory_bytes")
         for gpu, total, used, free in rows:
             for state, value in zip(GPU_STATES, (total, used, free), strict=True):
                 memory.add_metric([gpu, state], float(value))
         yield memory
 
 
-__all__ = ["COLLECTORS", "OTHER", "GpuSource", "KvwatchCollector"]
+__all__ = ["COLLECTORS", "GpuSource", "KvwatchCollector"]
 
 
 def engine_views(
@@ -272,27 +188,27 @@ def engine_views(
     first, and the (engine, version, role, model) rows of ``kvwatch_engine_info``."""
     latest: dict[LabelKey, tuple[float, dict[str, float]]] = {}
     info: set[tuple[str, str, str, str]] = set()
+    # The first N values of each unbounded label among what is live now, oldest producer first:
+    # a slot taken by a producer that is gone (junk included) is free again.
+    models, versions, ranks = FirstN(MAX_MODELS), FirstN(MAX_VERSIONS), FirstN(MAX_RANKS)
     with state.lock:
-        for producer in state.producers.values():
+        for producer in sorted(state.producers.values(), key=lambda p: p.id):
             if producer.retired:
                 continue
-            role = bound("role", producer.role)
-            engine = bound("engine", producer.engine)
-            model = state.models(producer.model)
-            info.add((engine, state.versions(producer.engine_version), role, model))
+            role = _ROLE(producer.role)
+            engine = _ENGINE(producer.engine)
+            model = models(producer.model)
+            info.add((engine, versions(producer.engine_version), role, model))
             if producer.gauges:
-                key: LabelKey = (role, engine, model, state.ranks(producer.rank), "hooks")
+                key: LabelKey = (role, engine, model, ranks(producer.rank), "hooks")
                 if key not in latest or latest[key][0] <= producer.last_ts:
                     latest[key] = (producer.last_ts, producer.gauges)
         for source in state.logs.values():
-            role = bound("role", source.role)
-            engine = bound("engine", source.engine)
-            model = state.models(source.model)
+            role = _ROLE(source.role)
+            engine = _ENGINE(source.engine)
+            model = models(source.model)
             if source.version:
-                info.add((engine, state.versions(source.version), role, model))
+                info.add((engine, versions(source.version), role, model))
             if source.gauges:
-                latest[(role, engine, model, state.ranks(source.rank), "log")] = (
-                    0.0,
-                    source.gauges,
-                )
+                latest[(role, engine, model, ranks(source.rank), "log")] = (0.0, source.gauges)
     return {key: gauges for key, (_, gauges) in latest.items()}, info

@@ -1,4 +1,4 @@
-"""``kvwatch probe``: the essay's marker test, pointed at a deployment you own.
+"""``kvwatch probe``: the incident's marker test, pointed at a deployment you own.
 
 It plants unique markers in recent KV pages, then sends one prompt whose length lands between
 the KV pool size and the advertised context (the unsafe band), and reports what came back: the
@@ -378,7 +378,7 @@ def target_from_args(args: argparse.Namespace) -> tuple[int, int | None]:
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "probe",
-        help="send the essay's marker test to a deployment you own",
+        help="send the incident's marker test to a deployment you own",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -9,6 +9,11 @@ producer exists, or no producer holds its ``flock`` and it has been idle for ``i
 seconds. A finished segment is removed (or, if it had rejects, moved to the quarantine
 directory); a producer none of whose segments is left is retired (its gauges go, its counters
 stay in the totals).
+
+A record that passes the gate but cannot be stored (a daemon bug, or a limit the gate missed)
+costs that record alone: the poll is redone one record per transaction, and the one that fails
+is dead-lettered (a ``rejects`` row with its producer, sequence number, offset and reason
+``internal``), the read position moves past it, and every other record commits.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ import contextlib
 import errno
 import fcntl
 import gc
-import json
-import json.scanner
 import os
 import re
+import shutil
+import sqlite3
 import stat
 import time
 from collections import Counter
@@ -29,12 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
 import structlog
 
-from kvspool import SchemaError, decode_payload, iter_frames, validate
-from kvspool.framing import MAGIC, SEGMENT_SUFFIX
-from kvwatch.journal import Batch, Journal
-from kvwatch.state import Producer, Segment, State, bound
+from kvspool import SchemaError, catalogue, decode_payload, iter_frames
+from kvspool.framing import SEGMENT_SUFFIX
+from kvspool.records import SERIES_OF, TYPE_NAME, Counters, Event, Gauges, Hello, Record, Seal
+from kvspool.writer import PRIVATE_SUFFIX
+from kvwatch.journal import Batch, Journal, RejectRow
+from kvwatch.state import Producer, Segment, State
 
 SEGMENT_NAME: Final = re.compile(
     r"^([A-Za-z0-9_-]{1,200})\.([0-9]{1,12})" + re.escape(SEGMENT_SUFFIX) + "$"
@@ -47,6 +55,35 @@ _LOGGED_REJECTS: Final = 10
 # it never reaches the journal or the logs (privacy), only its length does.
 _QUOTED: Final = re.compile(r"'([^']*)'|\"([^\"]*)\"")
 _IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
+#: A record's ``ts`` outside [daemon clock - past, daemon clock + future] is stored as the
+#: daemon's clock, and counted (``kvwatch_spool_clamped_records_total``): the record is kept
+#: (it may be evidence), and a wild clock cannot hide it from the retention, the "hooks
+#: silent" alert or the incident list. Producers share the daemon's node and clock, so the
+#: future window is small; the past one covers a daemon down for weeks with a full spool.
+CLOCK_PAST_SECONDS: Final = 30 * 86400.0
+CLOCK_FUTURE_SECONDS: Final = 300.0
+#: A producer's private segment name, left behind when it was killed while creating one.
+_PRIVATE_NAME: Final = re.compile(
+    r"^\.[A-Za-z0-9_-]{1,200}\.[0-9]{1,12}" + re.escape(SEGMENT_SUFFIX + PRIVATE_SUFFIX) + "$"
+)
+_DETECTOR, _ROLE, _KIND = catalogue.DETECTOR.bound, catalogue.ROLE.bound, catalogue.KIND.bound
+_encode_json: Final = msgspec.json.Encoder(order="sorted").encode
+
+
+class _PoisonError(Exception):
+    """A valid record could not be stored: redo the poll one record per transaction."""
+
+
+class _RestartError(Exception):
+    """A record was dead-lettered and the state reloaded: start the pass again."""
+
+
+def _environmental(exc: BaseException) -> bool:
+    """Errors of the journal's storage (disk, locks), not of a record: retried, never
+    dead-lettered."""
+    return isinstance(exc, (sqlite3.OperationalError, OSError, MemoryError)) or not isinstance(
+        exc, Exception
+    )
 
 
 def _redact(message: str) -> str:
@@ -77,10 +114,13 @@ class SpoolReader:
         *,
         allowed_uids: Collection[int] | None = None,
         idle_grace: float = 5.0,
-        # Small batches and reads keep the memory a backlog takes small: what a catch-up
-        # allocates, the allocators keep (8,192 and 1 MiB let the daemon's resident memory
-        # ratchet up by megabytes after each stall).
-        batch_records: int = 2048,
+        # Small reads and transactions keep the memory a backlog takes small: what a catch-up
+        # allocates, the allocators keep (1 MiB reads or 16,384-record transactions let the
+        # daemon's resident memory ratchet up by megabytes: +11.5% in test_cardinality's burst).
+        # On a slow or loaded machine, batch_seconds bounds how long read records wait to
+        # become durable.
+        batch_records: int = 4096,
+        batch_seconds: float = 0.1,
         poll_records: int = 32768,
         chunk_bytes: int = 256 << 10,
         quarantine_dir: str | os.PathLike[str] | None = None,
@@ -92,6 +132,8 @@ class SpoolReader:
         self.allowed_uids = frozenset(allowed_uids if allowed_uids else {os.geteuid()})
         self.idle_grace = idle_grace
         self.batch_records = batch_records
+        self.batch_seconds = batch_seconds
+        self._batch_started = time.monotonic()
         self.poll_records = poll_records
         self.chunk_bytes = chunk_bytes
         self.quarantine_dir = Path(quarantine_dir) if quarantine_dir else None
@@ -103,15 +145,30 @@ class SpoolReader:
         self._budget = 0
         self._polled = Counter[str]()
         self._to_remove: list[Segment] = []
+        self._careful = False
+        self._incident_keys: dict[tuple[str, str, str], tuple[str, tuple[str, ...]]] = {}
+        self._incidents_seen = Counter[tuple[str, tuple[str, ...]]]()
+        self.clock_past = CLOCK_PAST_SECONDS
+        self.clock_future = CLOCK_FUTURE_SECONDS
 
     # -- the poll -----------------------------------------------------------------------------
 
     def poll(self) -> PollResult:
         """Read what is new in the spool and commit it. Raises only on a journal failure."""
         gc_was_on = gc.isenabled()
-        gc.disable()  # a poll allocates many short-lived dicts and no cycles
+        gc.disable()  # a poll allocates many short-lived objects and no cycles
         try:
-            return self._poll()
+            try:
+                return self._poll()
+            except _PoisonError:
+                self.log.warning("spool.poison_isolation", note="one record per transaction")
+            self._careful = True
+            try:
+                while True:
+                    with contextlib.suppress(_RestartError):
+                        return self._poll()
+            finally:
+                self._careful = False
         finally:
             if gc_was_on:
                 gc.enable()
@@ -152,9 +209,13 @@ class SpoolReader:
                 self.state.lag_bytes = self._lag(sizes)  # before a removed name is forgotten
                 self._forget_removed()
                 self.state.live_producers = len(live)
-        except BaseException:
-            self._reload()
+        except _RestartError:
             raise
+        except BaseException as exc:
+            self._reload()
+            if _environmental(exc) or isinstance(exc, _PoisonError):
+                raise
+            raise _PoisonError from exc
         if self._polled["rejected"] > _LOGGED_REJECTS:
             self.log.warning(
                 "spool.rejects_not_logged",
@@ -187,6 +248,9 @@ class SpoolReader:
             return groups, sizes
         for entry in entries:
             name = entry.name
+            if name.endswith(PRIVATE_SUFFIX) and _PRIVATE_NAME.match(name):
+                self._remove_abandoned(name)
+                continue
             if not name.endswith(SEGMENT_SUFFIX):
                 continue
             match = SEGMENT_NAME.match(name)
@@ -234,25 +298,23 @@ class SpoolReader:
                 state.segments[name] = segment
                 self._batch.segments[name] = segment
             size = info.st_size
-            waiting = False  # an incomplete frame at the end of the file
-            while segment.offset < size and self._budget > 0:
-                data = os.pread(fd, min(size - segment.offset, self.chunk_bytes), segment.offset)
-                if not data:
-                    break
-                consumed = self._consume(segment, data)
-                if len(self._batch.records) >= self.batch_records:
-                    self._commit()
-                if consumed == 0:
-                    waiting = segment.offset + len(data) >= size
-                    break
-            if segment.offset < size and not waiting:
+            if not self._read_until(fd, segment, size, final=False):
                 return False  # stopped at the budget
             done = segment.sealed or later
             if not done and not _locked(fd):
+                # Look again now that the lock is free: the writer may have appended (and then
+                # closed) since the fstat above, which a long read can leave seconds behind.
+                # Finishing at the old size lost every record written since.
+                info = os.fstat(fd)
+                if info.st_size != size:
+                    return False  # read the rest first, next poll
                 done = time.time() - info.st_mtime >= self.idle_grace
             if not done:
                 return False
-            self._finish_tail(fd, segment, size)
+            # No more bytes will come: an incomplete frame is torn, and what follows a damaged
+            # length that points past the end is read.
+            if not self._read_until(fd, segment, size, final=True):
+                return False
             segment.finished = True
             self._batch.segments[name] = segment
             self._to_remove.append(segment)
@@ -260,21 +322,24 @@ class SpoolReader:
         finally:
             os.close(fd)
 
-    def _finish_tail(self, fd: int, segment: Segment, size: int) -> None:
-        """No more bytes will come: what is left is an incomplete frame, or a damaged length
-        that points past the end with intact frames behind it. Count the first as torn, and
-        resynchronise on the next magic to keep the second."""
-        while segment.offset < size:
-            data = os.pread(fd, size - segment.offset, segment.offset)
-            skip = data.find(MAGIC, 1)
-            if skip < 0:
-                skip = len(data)
-            self._reject(segment, segment.offset, skip, "torn", "incomplete or damaged frame")
-            segment.offset += skip
-            if skip < len(data):
-                self._consume(segment, data[skip:])
+    def _read_until(self, fd: int, segment: Segment, size: int, *, final: bool) -> bool:
+        """Read ``segment`` up to ``size``; False when stopped at the budget."""
+        while segment.offset < size and self._budget > 0:
+            data = os.pread(fd, min(size - segment.offset, self.chunk_bytes), segment.offset)
+            if not data:
+                return True
+            last = final and segment.offset + len(data) >= size
+            consumed = self._consume(segment, data, final=last)
+            if (
+                len(self._batch.records) >= self.batch_records
+                or time.monotonic() - self._batch_started >= self.batch_seconds
+            ):
+                self._commit()
+            if consumed == 0:
+                return True  # an incomplete frame at the end: wait for the rest
+        return segment.offset >= size or self._budget > 0
 
-    def _consume(self, segment: Segment, data: bytes) -> int:
+    def _consume(self, segment: Segment, data: bytes, *, final: bool = False) -> int:
         """Decode the frames of ``data`` (read at ``segment.offset``); returns bytes consumed."""
         state = self.state
         batch = self._batch
@@ -285,60 +350,155 @@ class SpoolReader:
         end = 0
         budget = self._budget
         newest = state.last_record_ts
-        decode = _decode
-        for frame in iter_frames(data):
-            end = frame.end
-            start = base + frame.offset
-            if frame.payload is None:
-                reason = frame.error or "framing"
-                self._reject(segment, start, frame.end - frame.offset, reason, reason)
+        now = time.time()
+        earliest, latest = now - self.clock_past, now + self.clock_future
+        clamped = 0
+        careful = self._careful
+        decode = decode_payload
+        incident = self._incident
+        name = segment.producer
+        pid = producer.id
+        last, last_ts = producer.last_seq, producer.last_ts
+        for offset, end, payload, error, is_open in iter_frames(data, final=final):
+            if payload is None:
+                if offset == 0 and segment.open_damage:
+                    segment.open_damage = is_open  # the damage counted in the last read
+                    continue
+                segment.open_damage = is_open
+                reason = error or "framing"
+                self._reject(segment, base + offset, end - offset, reason, reason)
                 continue
+            segment.open_damage = False
             try:
-                record = decode(frame.payload)
+                record = decode(payload)
             except SchemaError as exc:
-                self._reject(segment, start, frame.end - frame.offset, exc.reason, str(exc))
+                self._reject(segment, base + offset, end - offset, exc.reason, str(exc))
                 continue
-            if record["producer"] != segment.producer:
-                self._reject(segment, start, frame.end - frame.offset, "producer", "")
+            if record.producer != name:
+                self._reject(segment, base + offset, end - offset, "producer", "")
                 continue
-            seq: int = record["seq"]
-            last = producer.last_seq
+            seq = record.seq
             if seq <= last:
                 message = f"seq {seq} not above {last}"
-                self._reject(segment, start, frame.end - frame.offset, "sequence", message)
+                self._reject(segment, base + offset, end - offset, "sequence", message)
                 continue
-            if seq != last + 1:
-                self._lost(producer, last + 1, seq - 1)
-            producer.last_seq = seq
-            ts = float(record["ts"])
-            producer.last_ts = ts
-            kind = record["type"]
-            if kind == "event":
-                self._incident(producer, record)
-            elif kind == "counters":
-                producer.counters = record["counters"]
-            elif kind == "gauges":
-                producer.gauges = {g[0]: float(g[2]) for g in record["gauges"]}
-            elif kind == "hello":
-                self._hello(producer, record)
-            elif kind == "seal":
-                segment.sealed = True
-            records.append((producer.id, seq, kind, ts))
+            ts = record.ts
+            if not earliest <= ts <= latest:
+                ts = now
+                clamped += 1
+            if careful:
+                producer.last_seq, producer.last_ts = last, last_ts
+                self._store_alone(segment, producer, record, ts, base + end, base + offset)
+                last, last_ts = producer.last_seq, producer.last_ts
+            else:
+                if seq != last + 1:
+                    self._lost(producer, last + 1, seq - 1)
+                last, last_ts = seq, ts
+                if type(record) is Event:  # most records: no dispatch
+                    incident(producer, record, ts)
+                    records.append((pid, seq, "event", ts))
+                else:
+                    self._apply(segment, producer, record, ts)
+                    records.append((pid, seq, TYPE_NAME[type(record)], ts))
             accepted += 1
             newest = max(newest, ts)
             budget -= 1
             if budget <= 0:
                 break
+        producer.last_seq, producer.last_ts = last, last_ts
         self._budget = budget
         state.last_record_ts = newest
         segment.offset = base + end
-        batch.segments[segment.name] = segment
+        self._batch.segments[segment.name] = segment
+        if clamped:
+            self._count("spool_clamped_records", (), clamped)
+        if self._incidents_seen:
+            for key, count in self._incidents_seen.items():
+                self._count(*key, count)
+            self._polled["incidents"] += self._incidents_seen.total()
+            self._incidents_seen.clear()
         if accepted:
             producer.retired = False
-            batch.producers[producer.name] = producer
-            self._count("spool_records", (), accepted)
+            self._batch.producers[producer.name] = producer
+            if not careful:  # careful mode counts each record with its own commit
+                self._count("spool_records", (), accepted)
             self._polled["records"] += accepted
         return end
+
+    def _apply(self, segment: Segment, producer: Producer, record: Record, ts: float) -> None:
+        if type(record) is Event:
+            self._incident(producer, record, ts)
+        elif type(record) is Counters:
+            producer.counters = record.counters
+        elif type(record) is Gauges:
+            producer.gauges = {SERIES_OF[type(g)].name: g.value for g in record.gauges}
+        elif type(record) is Hello:
+            self._hello(producer, record)
+        elif type(record) is Seal:
+            segment.sealed = True
+
+    def _store_alone(
+        self,
+        segment: Segment,
+        producer: Producer,
+        record: Record,
+        ts: float,
+        end: int,
+        start: int,
+    ) -> None:
+        """Careful mode: commit this record in its own transaction, or dead-letter it."""
+        self._commit()  # what came before it (rejects, positions)
+        seq, last = record.seq, producer.last_seq
+        try:
+            if seq != last + 1:
+                self._lost(producer, last + 1, seq - 1)
+            producer.last_seq = seq
+            producer.last_ts = ts
+            self._apply(segment, producer, record, ts)
+            self._batch.records.append((producer.id, seq, TYPE_NAME[type(record)], ts))
+            segment.offset = end
+            self._batch.segments[segment.name] = segment
+            self._batch.producers[producer.name] = producer
+            self._count("spool_records", ())
+            for key, count in self._incidents_seen.items():
+                self._count(*key, count)
+            self._incidents_seen.clear()
+            self._commit()
+        except Exception as exc:
+            self._incidents_seen.clear()
+            if _environmental(exc):
+                raise
+            self._dead_letter(segment.name, segment.producer, seq, start, end, exc)
+            raise _RestartError from exc
+
+    def _dead_letter(
+        self, name: str, producer_name: str, seq: int, start: int, end: int, exc: Exception
+    ) -> None:
+        self._reload()
+        segment = self.state.segments[name]
+        producer = self._producer(producer_name)
+        producer.last_seq = max(producer.last_seq, seq)
+        self._batch.producers[producer.name] = producer
+        segment.offset = end
+        segment.rejects += 1
+        self._batch.segments[name] = segment
+        message = _redact(f"{type(exc).__name__}: {exc}")
+        self._batch.rejects.append(
+            RejectRow(
+                time.time(), name, start, end - start, "internal", message, producer.name, seq
+            )
+        )
+        self._count("spool_rejected", ("internal",))
+        self._polled["rejected"] += 1
+        self._commit()
+        self.log.error(
+            "spool.record_dead_lettered",
+            segment=name,
+            producer=producer.name,
+            seq=seq,
+            offset=start,
+            error=message,
+        )
 
     # -- record kinds -------------------------------------------------------------------------
 
@@ -351,47 +511,49 @@ class SpoolReader:
             self._batch.producers[name] = producer
         return producer
 
-    def _hello(self, producer: Producer, record: dict[str, Any]) -> None:
-        producer.engine = record["engine"]
-        producer.engine_version = record["engine_version"]
-        producer.role = record["role"]
-        producer.model = record["model"]
-        producer.rank = record["rank"]
-        producer.pid = record["pid"]
-        host = record.get("host", "")
-        producer.host = host[:256] if isinstance(host, str) else ""
+    def _hello(self, producer: Producer, record: Hello) -> None:
+        producer.engine = record.engine
+        producer.engine_version = record.engine_version
+        producer.role = record.role
+        producer.model = record.model
+        producer.rank = record.rank
+        producer.pid = record.pid
+        producer.node = record.node
 
-    def _incident(self, producer: Producer, record: dict[str, Any]) -> None:
-        detail = record.get("detail")
+    def _incident(self, producer: Producer, record: Event, ts: float) -> None:
+        detail = record.detail
+        # A plain tuple in IncidentRow's field order: the named tuple's constructor costs more
+        # than the rest of this method (tests/kvwatch/test_journal.py checks the order).
         self._batch.incidents.append(
             (
-                record["ts"],
-                producer.host,
+                ts,
+                producer.node,
                 producer.role,
                 producer.engine,
                 producer.engine_version,
                 producer.model,
                 producer.rank,
                 producer.name,
-                record["seq"],
-                record["request_id"],
-                record["detector"],
-                record["kind"],
-                record["mode"],
-                record["action"],
-                # Only the schema's fields: a record's extra keys never reach the journal.
-                ",".join(map(str, record["pages"])),
-                record["pages_total"],
-                _encode_detail(detail) if detail else "{}",
-            )
+                record.seq,
+                record.request_id,
+                record.instance,
+                record.detector,
+                record.kind,
+                record.mode,
+                record.action,
+                _encode_json(record.pages).decode(),
+                record.pages_total,
+                _encode_json(detail).decode() if detail else "{}",
+            )  # type: ignore[arg-type]
         )
-        labels = (
-            bound("detector", record["detector"]),
-            bound("role", producer.role),
-            bound("kind", record["kind"]),
-        )
-        self._count("incidents", labels)
-        self._polled["incidents"] += 1
+        raw = (record.detector, producer.role, record.kind)
+        key = self._incident_keys.get(raw)
+        if key is None:
+            if len(self._incident_keys) >= 4096:  # fresh junk values: bounded memory
+                self._incident_keys.clear()
+            key = ("incidents", (_DETECTOR(raw[0]), _ROLE(raw[1]), _KIND(raw[2])))
+            self._incident_keys[raw] = key
+        self._incidents_seen[key] += 1
 
     def _lost(self, producer: Producer, first: int, last: int) -> None:
         count = last - first + 1
@@ -410,7 +572,9 @@ class SpoolReader:
         segment.rejects += 1
         self._batch.segments[segment.name] = segment
         message = _redact(message)
-        self._batch.rejects.append((time.time(), segment.name, offset, length, reason, message))
+        self._batch.rejects.append(
+            RejectRow(time.time(), segment.name, offset, length, reason, message)
+        )
         self._count("spool_rejected", (reason,))
         self._polled["rejected"] += 1
         if self._polled["rejected"] > _LOGGED_REJECTS:
@@ -428,7 +592,7 @@ class SpoolReader:
         if name in self._flagged:
             return
         self._flagged.add(name)
-        self._batch.rejects.append((time.time(), name, 0, 0, reason, message))
+        self._batch.rejects.append(RejectRow(time.time(), name, 0, 0, reason, message))
         self._count("spool_rejected", (reason,))
         self._polled["rejected"] += 1
         self.log.warning("spool.segment_ignored", segment=name, reason=reason, error=message)
@@ -494,12 +658,36 @@ class SpoolReader:
     def _quarantine(self, path: Path) -> None:
         assert self.quarantine_dir is not None
         self.quarantine_dir.mkdir(mode=0o700, exist_ok=True)
-        os.rename(path, self.quarantine_dir / path.name)
+        # shutil.move copies and removes where a rename cannot (another filesystem: EXDEV).
+        shutil.move(path, self.quarantine_dir / path.name)
         self.log.warning("spool.segment_quarantined", segment=path.name)
         kept = sorted(self.quarantine_dir.iterdir(), key=lambda p: p.stat().st_mtime)
         for old in kept[: max(0, len(kept) - self.quarantine_max)]:
             with contextlib.suppress(OSError):
                 old.unlink()
+
+    def _remove_abandoned(self, name: str) -> None:
+        """A producer killed while creating a segment leaves its private file: remove it once
+        nobody holds its lock and it has been idle for ``idle_grace`` (never the file of a
+        producer creating one right now, which holds the lock)."""
+        try:
+            fd = os.open(self.directory / name, _OPEN_FLAGS)
+        except OSError:
+            return
+        try:
+            info = os.fstat(fd)
+            if (
+                not stat.S_ISREG(info.st_mode)
+                or info.st_uid not in self.allowed_uids
+                or _locked(fd)
+                or time.time() - info.st_mtime < self.idle_grace
+            ):
+                return
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / name)
+                self.log.info("spool.abandoned_removed", file=name, bytes=info.st_size)
+        finally:
+            os.close(fd)
 
     def _commit(self) -> None:
         batch = self._batch
@@ -508,6 +696,7 @@ class SpoolReader:
         self.journal.commit(batch, self.state)
         incidents = len(batch.incidents)
         self._batch = Batch()
+        self._batch_started = time.monotonic()
         if incidents:
             self.log.warning("spool.incidents_recorded", count=incidents)
 
@@ -516,24 +705,6 @@ class SpoolReader:
         self._batch = Batch()
         self._to_remove = []
         self.state.replace_with(self.journal.load())
-
-
-_encode_detail = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
-_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
-
-
-def _decode(payload: bytes) -> dict[str, Any]:
-    """``kvspool.decode_payload``, faster on the common case: the same JSON parser without
-    ``json.loads``'s per-call overhead, then kvspool's ``validate``, the single gate. Anything the
-    fast path does not take whole goes to ``decode_payload`` itself, for its exact verdict."""
-    try:
-        text = payload.decode()
-        record, end = _scan(text, 0)
-    except (ValueError, StopIteration, RecursionError):
-        return decode_payload(payload)
-    if end != len(text):
-        return decode_payload(payload)
-    return validate(record)
 
 
 def _locked(fd: int) -> bool:

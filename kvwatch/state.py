@@ -11,53 +11,16 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
-from kvspool import schema
+from kvspool import catalogue
+from kvspool.records import SERIES_OF, CounterSeries
 
-OTHER: Final = schema.OTHER
+OTHER: Final = catalogue.OTHER
 #: Distinct model names / engine versions / ranks kept as label values before "other".
 MAX_MODELS: Final = 16
 MAX_VERSIONS: Final = 16
 MAX_RANKS: Final = 64
-
-#: Reasons a spool frame or file is rejected (``kvwatch_spool_rejected_total{reason}``).
-REJECT_REASONS: Final = (
-    "crc",  # the payload's CRC32 does not match
-    "framing",  # bytes that are not a frame (no magic): damage, resynchronised
-    "oversize",  # a frame longer than kvspool.MAX_RECORD_BYTES
-    "torn",  # an incomplete last frame of a segment whose producer is gone
-    "malformed",  # not JSON, or a field missing / of the wrong type
-    "schema",  # an unknown schema version or record type
-    "producer",  # a record naming another producer than its segment
-    "sequence",  # a sequence number not above the last one seen (duplicate, replay)
-    "owner",  # a segment file owned by a user not allowed to write the spool (fstat)
-    "not_regular",  # a segment name that is a FIFO, device, directory or symlink
-    "name",  # a *.kvs file whose name is not <producer>.<index>.kvs
-)
-
-#: Hook counter name -> (metric family, label names in the family, labels taken from the producer).
-HOOK_COUNTERS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
-    "verifications": ("kvwatch_verifications", ("detector", "role")),
-    "verifications_skipped": ("kvwatch_verifications_skipped", ("detector", "role", "reason")),
-    "mismatches": ("kvwatch_mismatches", ("detector", "role", "kind")),
-    "aborted_admissions": ("kvwatch_aborted_admissions", ("queue", "role")),
-    "hook_seconds": ("kvwatch_hook_seconds", ("hook", "role")),
-    "hook_errors": ("kvwatch_hook_errors", ("hook", "role")),
-    "spool_dropped": ("kvwatch_spool_dropped_records", ("reason",)),
-}
-
-#: The value set of each label in the families above, "other" included.
-LABEL_SETS: Final[dict[str, tuple[str, ...]]] = {
-    "detector": tuple(sorted(schema.DETECTORS | {OTHER})),
-    "role": tuple(sorted(schema.ROLES)),
-    "kind": tuple(sorted(schema.KINDS)),
-    "queue": tuple(sorted(schema.QUEUES)),
-    "hook": tuple(sorted(schema.HOOKS | {OTHER})),
-    "engine": tuple(sorted(schema.ENGINES)),
-}
-SKIP_REASONS: Final = tuple(sorted(schema.SKIP_REASONS))
-DROP_REASONS: Final = tuple(sorted(schema.DROP_REASONS | {OTHER}))
 
 LabelKey = tuple[str, ...]
 Totals = defaultdict[tuple[str, LabelKey], float]
@@ -67,14 +30,10 @@ def totals() -> Totals:
     return defaultdict(float)
 
 
-def bound(label: str, value: object) -> str:
-    """``value`` if it is in ``label``'s fixed set, else "other"."""
-    text = str(value)
-    return text if text in LABEL_SETS[label] else OTHER
-
-
 class FirstN:
-    """Keeps the first ``limit`` distinct values of an unbounded label; later ones are "other"."""
+    """The first ``limit`` distinct values of an unbounded label, in the order offered; later
+    ones are "other". Built afresh from the live producers for each view, so a slot held by a
+    producer that is gone (junk included) is free again."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -101,13 +60,13 @@ class Producer:
     role: str = OTHER
     model: str = ""
     rank: int = 0
-    host: str = ""
+    node: str = ""
     pid: int = 0
     first_seen: float = 0.0
     last_ts: float = 0.0
     last_seq: int = 0
     #: The latest cumulative counter snapshot, as the record carried it.
-    counters: list[list[Any]] = field(default_factory=list)
+    counters: list[CounterSeries] = field(default_factory=list)
     gauges: dict[str, float] = field(default_factory=dict)
     #: True once none of its segments is left in the spool: its gauges go, its counters stay.
     retired: bool = False
@@ -127,6 +86,8 @@ class Segment:
     finished: bool = False  # every byte is accounted for: committed, rejected or torn
     removed: bool = False
     rejects: int = 0
+    #: The last read ended inside damage (not persisted: after a restart it is counted again).
+    open_damage: bool = False
 
 
 @dataclass(slots=True)
@@ -159,9 +120,6 @@ class State:
     next_producer_id: int = 1
     next_segment_id: int = 1
     lock: threading.RLock = field(default_factory=threading.RLock)
-    models: FirstN = field(default_factory=lambda: FirstN(MAX_MODELS))
-    versions: FirstN = field(default_factory=lambda: FirstN(MAX_VERSIONS))
-    ranks: FirstN = field(default_factory=lambda: FirstN(MAX_RANKS))
 
     def replace_with(self, other: State) -> None:
         """Take ``other``'s contents (after a reload from the journal), keeping the lock."""
@@ -189,20 +147,12 @@ class State:
 
 def producer_counter_series(producer: Producer) -> Iterator[tuple[str, LabelKey, float]]:
     """A producer's cumulative snapshot as (family, label values, value), labels bounded."""
+    role = catalogue.ROLE.bound(producer.role)
     for item in producer.counters:
-        name, labels, value = item
-        spec = HOOK_COUNTERS.get(name)
-        if spec is None:
-            continue
-        family, label_names = spec
-        values: list[str] = []
-        for label in label_names:
-            if label == "role":
-                values.append(bound("role", producer.role))
-            elif label == "reason":
-                allowed = DROP_REASONS if name == "spool_dropped" else SKIP_REASONS
-                text = str(labels.get("reason", OTHER))
-                values.append(text if text in allowed else OTHER)
-            else:
-                values.append(bound(label, labels.get(label, OTHER)))
-        yield family, tuple(values), float(value)
+        series = SERIES_OF[type(item)]
+        labels = item.labels
+        values = tuple(
+            role if label is catalogue.ROLE else label.bound(getattr(labels, label.name))
+            for label in series.labels
+        )
+        yield series.family, values, item.value

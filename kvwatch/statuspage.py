@@ -1,7 +1,7 @@
 """The daemon's status page at ``/``: the node's integrity at a glance, for a node with no Grafana.
 
 Three parts: the integrity state (any mismatch, aborted admission or lost record turns it red),
-pool against context for each engine role with the unsafe band drawn (like the essay's
+pool against context for each engine role with the unsafe band drawn (like the incident's
 checker), and the latest incidents from the journal. Server-rendered HTML with inline SVG: no
 script, no external asset, refreshed by the browser every few seconds.
 """
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvspool.catalogue import unsafe_band
 from kvwatch import __version__
 from kvwatch.journal import Journal, JournalError
 from kvwatch.metrics import engine_views
@@ -74,7 +75,7 @@ def _pool_chart(rows: list[tuple[tuple[str, ...], dict[str, float]]]) -> str:
     for (role, engine, model, rank, source), gauges in rows:
         pool = gauges.get("kv_pool_tokens", 0.0)
         context = gauges.get("context_length_tokens", 0.0)
-        band = max(0.0, context - pool)
+        band = unsafe_band(context, pool)
         share = band / context if context else 0.0
         pool_w, context_w = width * pool / scale, width * context / scale
         band_rect = ""

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minipd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    demo = sub.add_parser("demo", help="replay the essay's incident on 0.5.19 with kvwatch log")
+    demo = sub.add_parser("demo", help="replay the incident's incident on 0.5.19 with kvwatch log")
     demo.add_argument("--release", default="0.5.19", choices=sorted(RELEASES))
     demo.add_argument("--kvwatch", choices=["off", "log", "enforce"], default="log")
     demo.add_argument("--device", default="cpu", help="where the KV pools live: cpu or cuda")

@@ -1,6 +1,6 @@
 """The decode worker: reserves pages, admits on "transfer complete", generates in batches.
 
-Steps 1 and 3 of the essay's handoff. Decode reserves destination pages for the whole prompt,
+Steps 1 and 3 of the incident's handoff. Decode reserves destination pages for the whole prompt,
 never sees prefill's writes land (they go straight into its shared-memory pool), and on the
 "transfer complete" message admits the request and reads every reserved page. Requests join
 and leave the running batch between steps (continuous batching); pages go back to the free list

@@ -1,4 +1,4 @@
-"""``python -m minipd demo``: the essay's incident, end to end, with kvwatch watching.
+"""``python -m minipd demo``: the incident's incident, end to end, with kvwatch watching.
 
 Starts minipd as SGLang 0.5.19 in PD mode with ``--kvwatch log``, fills recent pages with
 sixteen users' unique markers, then sends one prompt in the unsafe band (longer than the prefill
@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from engine_hooks.testing import read_spool
+from kvspool.catalogue import unsafe_band
 from minipd.launch import generate, start, stop
 
 PREFILL_POOL, DECODE_POOL, CONTEXT = 16384, 65536, 32768
@@ -69,13 +70,13 @@ def run_demo(release: str = "0.5.19", kvwatch: str = "log", device: str = "cpu")
     )
     proc, url = start(args, workdir)
     try:
-        print("\n== Start-up lines (the essay's first check)")
+        print("\n== Start-up lines (the incident's first check)")
         for role in ("prefill", "decode"):
             for line in (logs / f"{role}.log").read_text().splitlines():
                 m = re.search(r"max_total_num_tokens=(\d+).*context_len=(\d+)", line)
                 if m:
                     pool, context = int(m.group(1)), int(m.group(2))
-                    band = max(0, context - pool)
+                    band = unsafe_band(context, pool)
                     print(f"    {role:<7} pool={pool} context={context} unsafe band={band}")
         print(f"\n== {MARKERS} users send prompts with their own code ({url})")
         markers = ["CANARY-" + secrets.token_hex(6) for _ in range(MARKERS)]

@@ -46,7 +46,7 @@ def startup_line(
     pool_tokens: int, context_length: int, max_running_requests: int, device: torch.device
 ) -> str:
     """The scheduler's start-up line, with SGLang's field names, so that log checks (the
-    essay's grep, ``kvwatch check-logs``) read minipd as they read SGLang."""
+    incident's grep, ``kvwatch check-logs``) read minipd as they read SGLang."""
     return (
         f"max_total_num_tokens={pool_tokens}, chunked_prefill_size=-1, "
         f"max_prefill_tokens={pool_tokens}, max_running_requests={max_running_requests}, "

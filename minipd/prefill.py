@@ -1,6 +1,6 @@
 """The prefill worker: admits a request, computes its KV, writes it into decode's pool.
 
-Step 2 of the essay's handoff. The write into decode's pool is one-sided: decode's pool is shared
+Step 2 of the incident's handoff. The write into decode's pool is one-sided: decode's pool is shared
 memory that this process writes directly, and decode learns of it only from the "transfer
 complete" message sent afterwards. The scheduler's pool check reduces a prompt that cannot fit
 this pool to a one-token placeholder and stores the error in ``to_finish``; what happens next

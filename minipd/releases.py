@@ -1,4 +1,4 @@
-"""The SGLang releases of the essay's table, as the engine behaviours they switch on."""
+"""The SGLang releases of the incident's table, as the engine behaviours they switch on."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A token is a piece of a word of at most :data:`PIECE_BYTES` UTF-8 bytes (longer words become
 several pieces, the later ones flagged as continuations), so ``"word " * N`` is ``N`` tokens and
-the essay's ``CANARY-0123456789ab.`` is one token. A token is stored as :data:`DIGITS` unsigned
+the incident's ``CANARY-0123456789ab.`` is one token. A token is stored as :data:`DIGITS` unsigned
 16-bit digits: digit 0 holds ``length | continuation << 5``, digits 1..12 the zero-padded bytes
 (big-endian). Its token id is that 26-byte string read as one big-endian integer; id 0 is the
 empty token, used as the scheduler's one-token placeholder and read back from never-written

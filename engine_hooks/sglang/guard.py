@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from engine_hooks.guard import never_raise
+
 logger = logging.getLogger("kvwatch.sglang")
 _reported: set[str] = set()
 
@@ -20,7 +22,7 @@ def failed(hook: str, error: BaseException) -> None:
         rt.hook_errors += 1
         if rt.all_watches:
             rt.all_watches[0].stats.add("hook_errors", (hook,))
-    except Exception:  # the guard itself must not raise
+    except Exception:  # counting must not stop the log line below
         pass
     if hook not in _reported:
         _reported.add(hook)
@@ -33,13 +35,14 @@ def safe(hook: str) -> Callable[[Callable[..., Any]], Callable[..., None]]:
     """For BEFORE and AFTER hooks: run, swallow any error, always return None (no changes)."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., None]:
-        @functools.wraps(fn)
-        def guarded(*args: Any, **kwargs: Any) -> None:
-            try:
-                fn(*args, **kwargs)
-            except Exception as error:
-                failed(hook, error)
+        def run(*args: Any, **kwargs: Any) -> None:
+            fn(*args, **kwargs)
 
-        return guarded
+        functools.update_wrapper(run, fn)
+        return never_raise(lambda _fn, _args, error: failed(hook, error), _none)(run)
 
     return wrap
+
+
+def _none() -> None:
+    return None

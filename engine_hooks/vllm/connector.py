@@ -14,7 +14,6 @@ nothing would return.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -29,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch
+from engine_hooks.guard import never_raise
 from engine_hooks.vllm.layout import kv_pool
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
@@ -44,16 +44,11 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "unified
 
 
 def _guard(hook: str, default: Callable[[], Any]) -> Callable[[F], F]:
-    def wrap(method: F) -> F:
-        @functools.wraps(method)
-        def guarded(self: KVWatchConnector, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as exc:
-                self.hook_failed(hook, method.__name__, exc)
-                return default()
+    def failed(method: Callable[..., Any], args: tuple[Any, ...], exc: Exception) -> None:
+        args[0].hook_failed(hook, method.__name__, exc)
 
-        return cast(F, guarded)
+    def wrap(method: F) -> F:
+        return cast(F, never_raise(failed, default)(method))
 
     return wrap
 

@@ -10,37 +10,21 @@ from typing import Any
 
 from alerts import definitions
 from dashboards import generate
+from kvspool import catalogue
 from tests.alerts.tooling import tool
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: The daemon's public metrics (DESIGN.md) and the recording rules of alerts/kvwatch.rules.yml:
-#: the dashboards and alerts may use these and nothing else.
-PUBLIC_METRICS = {
-    "kvwatch_kv_pool_tokens",
-    "kvwatch_context_length_tokens",
-    "kvwatch_page_size_tokens",
-    "kvwatch_unsafe_band_tokens",
-    "kvwatch_engine_info",
-    "kvwatch_build_info",
-    "kvwatch_verifications_total",
-    "kvwatch_verifications_skipped_total",
-    "kvwatch_mismatches_total",
-    "kvwatch_aborted_admissions_total",
-    "kvwatch_hook_seconds_total",
-    "kvwatch_gpu_memory_bytes",
-    "kvwatch_nvml_up",
-    "kvwatch_spool_records_total",
-    "kvwatch_spool_rejected_total",
-    "kvwatch_spool_lost_records_total",
-    "kvwatch_spool_lag_bytes",
-    "kvwatch_producers",
-    "kvwatch_last_record_timestamp_seconds",
-    "kvwatch_collector_success",
-    "kvwatch_collector_duration_seconds",
-    "kvwatch_incidents_total",
-    "up",
-} | {r.record for r in definitions.RECORDING_RULES}
+#: The public metrics (kvspool's catalogue: every family on /metrics), the recording rules of
+#: alerts/kvwatch.rules.yml and Prometheus's ``up``: the dashboards and alerts may use these and
+#: nothing else.
+PUBLIC_METRICS = (
+    {s.family + "_total" for s in catalogue.COUNTERS}
+    | {s.family for s in catalogue.GAUGES}
+    | {f.name + ("_total" if f.type == "counter" else "") for f in catalogue.DAEMON_FAMILIES}
+    | {"up"}
+    | {r.record for r in definitions.RECORDING_RULES}
+)
 
 PROMQL_WORDS = {
     "sum", "max", "min", "count", "group", "by", "on", "or", "and", "unless", "bool",

@@ -1,4 +1,4 @@
-"""The essay's third check, its script as printed (only URL and FILLER_WORDS changed), against
+"""The incident's third check, its script as printed (only URL and FILLER_WORDS changed), against
 minipd configured as each release, with kvwatch off, log and enforce."""
 
 from __future__ import annotations

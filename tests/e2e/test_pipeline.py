@@ -2,7 +2,7 @@
 daemon, Prometheus with alerts/ loaded, Alertmanager, and a webhook receiver on 127.0.0.1.
 
 The pool alert reaches the webhook first (minipd's prefill pool is smaller than its context);
-then the essay's marker traffic leaks and the integrity alert reaches it, with node and role.
+then the incident's marker traffic leaks and the integrity alert reaches it, with node and role.
 Finally every PromQL expression of every dashboard panel is asked of Prometheus.
 """
 

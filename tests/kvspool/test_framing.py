@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 from hypothesis import given, settings
@@ -61,3 +62,66 @@ def test_any_bytes_never_raise_and_progress(noise: bytes, cut: int) -> None:
     for frame in iter_frames(data):
         assert frame.end > frame.offset >= last
         last = frame.end
+
+
+# -- resync never skips an intact frame ---------------------------------------------------------
+
+PAYLOADS = st.binary(min_size=0, max_size=80) | st.text(max_size=40).map(str.encode)
+DAMAGE = st.tuples(
+    st.sampled_from(["flip", "cut", "junk", "length", "magic", "crc"]),
+    st.integers(0, 10_000),
+    st.binary(min_size=1, max_size=24),
+)
+
+
+def damaged_stream(
+    payloads: list[bytes], damage: list[tuple[str, int, bytes]]
+) -> tuple[bytes, list[bytes]]:
+    """The frames of ``payloads`` with ``damage`` applied to some of them; returns the stream
+    and the payloads of the frames left intact (bytes unchanged and contiguous), in order."""
+    pieces = [bytearray(encode_frame(p)) for p in payloads]
+    before = [b"" for _ in payloads]  # junk inserted before a frame leaves the frame intact
+    hurt = [False] * len(payloads)
+    for op, at, junk in damage:
+        i = at % len(pieces)
+        piece = pieces[i]
+        if op == "junk":
+            before[i] += junk
+            continue
+        hurt[i] = True
+        if len(piece) < 12:  # already cut inside its header
+            continue
+        if op == "flip":
+            piece[at % len(piece)] ^= junk[0] or 1
+        elif op == "cut":  # a short write: the frame's tail never came
+            del piece[max(1, len(piece) - 1 - at % len(piece)) :]
+        elif op == "length":  # the claimed end lands anywhere, often just inside the next frame
+            struct.pack_into("<I", piece, 4, (len(piece) - 12 + at % 40) % (1 << 32))
+        elif op == "magic":
+            piece[at % 4] ^= junk[0] or 1
+        else:
+            piece[8] ^= junk[0] or 1
+    stream = b"".join(bytes(b) + bytes(p) for b, p in zip(before, pieces, strict=True))
+    intact = [p for p, bad in zip(payloads, hurt, strict=True) if not bad]
+    return stream, intact
+
+
+def is_subsequence(needles: list[bytes], haystack: list[bytes]) -> bool:
+    it = iter(haystack)
+    return all(any(n == h for h in it) for n in needles)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(st.lists(PAYLOADS, min_size=1, max_size=10), st.lists(DAMAGE, max_size=4))
+def test_every_intact_frame_after_damage_is_read(
+    payloads: list[bytes], damage: list[tuple[str, int, bytes]]
+) -> None:
+    stream, intact = damaged_stream(payloads, damage)
+    found = list(iter_frames(stream, final=True))
+    assert found[0].offset == 0 if found else not stream
+    for a, b in itertools.pairwise(found):
+        assert a.end == b.offset  # every byte accounted for, once
+    if found:
+        assert found[-1].end == len(stream)
+    read = [f.payload for f in found if f.payload is not None]
+    assert is_subsequence(intact, read), (intact, read)

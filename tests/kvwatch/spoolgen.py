@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from kvspool import encode_frame, encode_payload
+from kvwatch.journal import Journal
 
-T0 = 1_790_000_000.0
+#: Recent, so that every record falls inside the daemon's clock window.
+T0 = float(int(time.time()) - 3600)
 
 
 class Producer:
@@ -24,8 +27,10 @@ class Producer:
         model: str = "glm-5.3",
         version: str = "0.5.23",
         rank: int = 0,
-        host: str = "node-a",
+        node: str = "node-a",
+        t0: float = T0,
     ) -> None:
+        self.t0 = t0
         self.directory = directory
         self.name = name
         self.seq = 0
@@ -37,7 +42,7 @@ class Producer:
             "model": model,
             "rank": rank,
             "pid": 100,
-            "host": host,
+            "node": node,
         }
 
     @property
@@ -49,7 +54,7 @@ class Producer:
         out = {"v": 1, "type": kind, "producer": self.name}
         out.update(fields)
         out["seq"] = self.seq
-        out["ts"] = T0 + self.seq
+        out["ts"] = self.t0 + self.seq
         return out
 
     def frame(self, kind: str, fields: dict[str, Any], *, skip: int = 0) -> bytes:
@@ -116,3 +121,13 @@ class Producer:
                 os.write(fd, frame)
         finally:
             os.close(fd)
+
+
+def seqs(journal: Journal, producer: str) -> list[int]:
+    """The sequence numbers the journal holds for ``producer``, in commit order."""
+    rows = journal.db.execute(
+        "SELECT r.seq FROM records r JOIN producers p ON p.id = r.producer WHERE p.name = ?"
+        " ORDER BY r.rowid",
+        (producer,),
+    )
+    return [row[0] for row in rows]

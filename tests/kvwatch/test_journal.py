@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.journal import RETIRED_GRACE, Journal, JournalError
+from kvspool import encode_frame, encode_payload
+from kvwatch.journal import RETIRED_GRACE, IncidentRow, Journal, JournalError
 from kvwatch.spool_reader import SpoolReader
 from tests.kvwatch.spoolgen import T0, Producer
 
@@ -122,3 +123,78 @@ def test_prune_deletes_only_the_records_rows_past_their_retention(journal: Journ
     journal.prune(journal.load(), now=now, retention=86400, records_retention=30)
     kept = [r[0] for r in journal.db.execute("SELECT seq FROM records ORDER BY rowid")]
     assert kept == list(range(70, 100))  # ts >= now - 30
+
+
+def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal) -> None:
+    """The reader builds incident rows as plain tuples in IncidentRow's order (for speed): each
+    field must land in its own column, ``instance`` included."""
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    p = Producer(
+        spool, "vllm-prefill-r3-7-abcd0001", role="prefill", engine="vllm", model="llama",
+        version="0.33.0", rank=3, node="node-b",
+    )  # fmt: skip
+    hello = p.hello()
+    event = p.record(
+        "event",
+        {
+            "detector": "checksum", "kind": "digest", "mode": "enforce", "action": "enforced",
+            "request_id": "req-42", "instance": "req-42#2", "pages": [5, 9], "pages_total": 12,
+            "detail": {"b": "x", "a": 1},
+        },
+    )  # fmt: skip
+    p.append(hello, encode_frame(encode_payload(event)))
+    reader.poll()
+    [row] = journal.incidents()
+    assert row == {
+        "time": event["ts"], "node": "node-b", "role": "prefill", "engine": "vllm",
+        "engine_version": "0.33.0", "model": "llama", "rank": 3, "producer": p.name, "seq": 2,
+        "request_id": "req-42", "instance": "req-42#2", "detector": "checksum", "kind": "digest",
+        "mode": "enforce", "action": "enforced", "pages": [5, 9], "pages_total": 12,
+        "detail": {"a": 1, "b": "x"},
+    }  # fmt: skip
+    assert list(row) == [*IncidentRow._fields[1:], "time"]
+
+
+def test_a_schema_1_journal_is_migrated(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema', '1');
+        CREATE TABLE producers (
+            id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, engine TEXT, engine_version TEXT,
+            role TEXT, model TEXT, rank INTEGER, host TEXT, pid INTEGER, first_seen REAL,
+            last_ts REAL, last_seq INTEGER NOT NULL, counters TEXT NOT NULL,
+            gauges TEXT NOT NULL, retired INTEGER NOT NULL, retired_at REAL);
+        INSERT INTO producers VALUES (1, 'p', 'sglang', '1', 'decode', 'm', 0, 'node-a', 1, 0,
+            0, 5, '[["verifications",{"detector":"canary"},3]]', '{}', 0, 0);
+        CREATE TABLE incidents (
+            id INTEGER PRIMARY KEY, ts REAL NOT NULL, node TEXT, role TEXT, engine TEXT,
+            engine_version TEXT, model TEXT, rank INTEGER, producer TEXT NOT NULL,
+            seq INTEGER NOT NULL, request_id TEXT NOT NULL, detector TEXT NOT NULL,
+            kind TEXT NOT NULL, mode TEXT, action TEXT, pages TEXT NOT NULL,
+            pages_total INTEGER NOT NULL, detail TEXT NOT NULL);
+        INSERT INTO incidents (ts, node, role, engine, engine_version, model, rank, producer,
+            seq, request_id, detector, kind, mode, action, pages, pages_total, detail)
+            VALUES (1.5, 'node-a', 'decode', 'sglang', '1', 'm', 0, 'p', 2, 'r', 'canary',
+            'unwritten_page', 'log', 'logged', '1,2,3', 3, '{}');
+        CREATE TABLE rejects (
+            id INTEGER PRIMARY KEY, ts REAL NOT NULL, segment TEXT NOT NULL,
+            offset INTEGER NOT NULL, length INTEGER NOT NULL, reason TEXT NOT NULL,
+            message TEXT NOT NULL);
+        """
+    )
+    db.commit()
+    db.close()
+    journal = Journal(path)
+    [row] = journal.incidents()
+    assert row["pages"] == [1, 2, 3] and row["instance"] is None and row["node"] == "node-a"
+    state = journal.load()
+    assert state.producers["p"].node == "node-a"
+    assert state.hook_counter_totals()[("kvwatch_verifications", ("canary", "decode"))] == 3
+    assert journal.scalar("SELECT value FROM meta WHERE key = 'schema'") == "2"
+    journal.close()

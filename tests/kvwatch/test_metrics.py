@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvspool import catalogue
 from kvwatch.journal import Journal
 from kvwatch.logparse import EngineView
 from kvwatch.metrics import KvwatchCollector
@@ -39,9 +40,13 @@ def promtool() -> str:
     return path
 
 
+#: A fixed time, so that the golden text is the same on every run.
+FIXED_T0 = 1_790_000_000.0
+
+
 def fixed_state(spool: Path, journal: Journal) -> State:
     state = journal.load()
-    decode = Producer(spool, "sglang-decode-r0-100-aaaa0001", role="decode")
+    decode = Producer(spool, "sglang-decode-r0-100-aaaa0001", role="decode", t0=FIXED_T0)
     decode.append(
         decode.hello(),
         decode.gauges(681280, 1048576),
@@ -49,15 +54,18 @@ def fixed_state(spool: Path, journal: Journal) -> State:
         decode.event("req-7"),
         decode.event("req-8", detector="checksum", kind="digest"),
     )
-    prefill = Producer(spool, "sglang-prefill-r0-101-aaaa0002", role="prefill")
+    prefill = Producer(spool, "sglang-prefill-r0-101-aaaa0002", role="prefill", t0=FIXED_T0)
     hello = prefill.hello()
     prefill.append(hello, prefill.gauges(2040000, 1048576), prefill.counters(39))
-    odd = Producer(spool, "custom-weird-r0-102-aaaa0003", role="verifier", engine="tgi")
+    odd = Producer(
+        spool, "custom-weird-r0-102-aaaa0003", role="verifier", engine="tgi", t0=FIXED_T0
+    )
     odd.append(odd.hello(), odd.frame("gauges", {"gauges": []}, skip=2))
     broken = bytearray(decode.event("req-9"))
     broken[-3] ^= 0xFF
     decode.append(bytes(broken))
     reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    reader.clock_past = float("inf")  # keep FIXED_T0 as it is
     reader.poll()
     view = EngineView(role="prefill", rank=0, engine="vllm")
     view.pool_tokens, view.context_tokens = 1234567, 131072
@@ -128,3 +136,14 @@ def test_unknown_label_values_become_other_and_models_are_bounded(
 def test_metrics_hold_no_request_ids_or_prompt_text(spool: Path, journal: Journal) -> None:
     text = render(fixed_state(spool, journal))
     assert "req-7" not in text and "req-8" not in text
+
+
+def test_every_family_on_metrics_is_in_the_catalogue(spool: Path, journal: Journal) -> None:
+    text = render(fixed_state(spool, journal), FakeGpus())
+    exposed = {family.name for family in text_string_to_metric_families(text)}
+    catalogued = (
+        {s.family for s in catalogue.COUNTERS}
+        | {s.family for s in catalogue.GAUGES}
+        | {f.name for f in catalogue.DAEMON_FAMILIES}
+    )
+    assert exposed == catalogued

@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from kvspool.records import MAX_STRING_CHARS
 from tests.kvwatch.writer import spool_module
 from tests.reliability.tools import event_fields
 
@@ -29,7 +30,9 @@ def main() -> None:
         directory, engine="sglang", role=role, segment_bytes=segment, max_segments=100_000
     )
     print(writer.producer, flush=True)
-    pad = "x" * detail_bytes
+    # The pad in detail values of at most MAX_STRING_CHARS each (the schema's bound).
+    width = MAX_STRING_CHARS - 16
+    pad = {f"pad{n}": "x" * width for n in range(detail_bytes // width)}
     start = time.monotonic()
     interval = 1.0 / rate if rate else 0.0
     i = 0
@@ -41,7 +44,7 @@ def main() -> None:
         else:
             fields = event_fields(i)
             if pad:
-                fields["detail"] = {"unwritten": 1, "pad": pad}
+                fields["detail"] = {"unwritten": 1, **pad}
             writer.write("event", fields)
         i += 1
         if interval:

@@ -15,22 +15,30 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvspool import schema
+from kvspool import catalogue, schema
 from kvwatch.metrics import LOG_ERROR_REASONS
-from kvwatch.state import REJECT_REASONS
 from tests.kvwatch.writer import spool_module
 from tests.reliability.tools import DaemonProcess, metric, rss_kib, series, wait_for
 
 RECORDS = int(os.environ.get("KVWATCH_CARDINALITY_RECORDS", "100000"))
 WARMUP = 20_000
 FIXED = {
-    "engine": schema.ENGINES,
-    "role": schema.ROLES,
-    "detector": schema.DETECTORS | {schema.OTHER},
-    "kind": schema.KINDS,
-    "queue": schema.QUEUES,
-    "hook": schema.HOOKS | {schema.OTHER},
-    "reason": schema.SKIP_REASONS | schema.DROP_REASONS | {*REJECT_REASONS, *LOG_ERROR_REASONS},
+    label.name: set(label.values)
+    for label in (
+        catalogue.ENGINE,
+        catalogue.ROLE,
+        catalogue.DETECTOR,
+        catalogue.KIND,
+        catalogue.QUEUE,
+        catalogue.HOOK,
+    )
+} | {
+    "reason": {
+        *catalogue.SKIP_REASON.values,
+        *catalogue.DROP_REASON.values,
+        *catalogue.REJECT_REASON.values,
+        *LOG_ERROR_REASONS,
+    }
 }
 
 
@@ -41,7 +49,7 @@ def fresh_records(writer: Any, start: int, count: int, *, distinct: bool) -> Non
             writer.write(
                 "hello",
                 {"engine": f"e-{v}", "engine_version": f"1.{v}", "role": f"r-{v}",
-                 "model": f"m-{v}", "rank": i if distinct else 0, "pid": i, "host": f"h-{v}"},
+                 "model": f"m-{v}", "rank": i if distinct else 0, "pid": i, "node": f"h-{v}"},
             )  # fmt: skip
         elif i % 10 == 1:
             writer.write(

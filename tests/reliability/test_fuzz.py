@@ -1,11 +1,15 @@
 """Case 4: hostile and broken input, fuzzed with structure-aware mutations (hypothesis).
 
 Valid records of every type are built, then mutated at three levels: the record (a field
-dropped, retyped, replaced by any JSON value, huge integers, NaN/Infinity, deep nesting), the
-payload bytes (flips, cuts, inserted bytes and magics), and the frame (length, CRC, splices).
-The decoder may only raise ``SchemaError``; the spool reader's poll and the log parser never
-raise. CI runs a bounded, derandomized run; ``KVWATCH_FUZZ_EXAMPLES=N`` runs N per test with
-fresh randomness (the long run in docs/reliability.md).
+dropped, retyped, replaced by any JSON value, lone surrogates, integers past 2^63, 2^64 and
+2^1024, NaN/Infinity, timestamps far from now, deep nesting), the payload bytes (flips, cuts,
+inserted bytes and magics), and the frame (length, CRC, splices). The decoder may only raise
+``SchemaError``; the spool reader's poll and the log parser never raise. Survival is not
+enough: beside each hostile segment a good producer writes many valid records, and after each
+example every one of them is in the journal, and the journal, /metrics, the status page and
+``kvwatch incidents`` all render. The spool also holds FIFOs, directories, zero-length files,
+symbolic links and badly named files. CI runs a bounded, derandomized run;
+``KVWATCH_FUZZ_EXAMPLES=N`` runs N per test with fresh randomness (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +30,12 @@ from kvspool import schema
 from kvwatch.journal import Journal
 from kvwatch.logparse import LineError, LogParser, parse_line
 from kvwatch.spool_reader import SpoolReader
+from tests.kvwatch.spoolgen import Producer
+from tests.kvwatch.views import render_all
+from tests.reliability.fuzz_junk import JUNK_KINDS, add_junk
 
 LONG = int(os.environ.get("KVWATCH_FUZZ_EXAMPLES", "0"))
+T0 = time.time() - 60
 
 
 def fuzz_settings(ci_examples: int) -> Any:
@@ -41,15 +50,19 @@ def fuzz_settings(ci_examples: int) -> Any:
 
 # -- records ----------------------------------------------------------------------------------
 
-BIG_INTS = st.sampled_from([0, -1, 1 << 63, -(1 << 63), (1 << 63) - 1, 10**30, -(10**30)])
+BIG_INTS = st.sampled_from(
+    [0, -1, 1 << 63, -(1 << 63), (1 << 63) - 1, 1 << 64, 1 << 1024, 10**30, -(10**30), 10**400]
+)
+EXTREME_TS = st.sampled_from([1e12, -1e12, 1e299, 1 << 63, 0, time.time() + 86400 * 365])
 SCALARS = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(),
     BIG_INTS,
+    EXTREME_TS,
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=300),
-    st.sampled_from(["", "other", "canary", "hello", "event", "x" * 257]),
+    st.sampled_from(["", "other", "canary", "hello", "event", "x" * 257, "\ud800", "a\udfff"]),
 )
 JSON = st.recursive(
     SCALARS,
@@ -61,7 +74,7 @@ JSON = st.recursive(
 
 
 def base_record(kind: str, seq: int) -> dict[str, Any]:
-    record: dict[str, Any] = {"v": 1, "type": kind, "producer": "fz", "seq": seq, "ts": 1.5}
+    record: dict[str, Any] = {"v": 1, "type": kind, "producer": "fz", "seq": seq, "ts": T0}
     if kind == "hello":
         record.update(engine="sglang", engine_version="1", role="decode", model="m", rank=0, pid=1)
     elif kind == "event":
@@ -104,7 +117,11 @@ def nested(depth: int) -> bytes:
 def payloads(draw: st.DrawFn, seq: int = 2) -> bytes:
     if draw(st.integers(0, 19)) == 0:
         return nested(draw(st.sampled_from([10, 1000, 30_000])))
+    # ensure_ascii writes a lone surrogate as its \\uXXXX escape; the raw bytes come below.
     data = bytearray(json.dumps(draw(records(seq)), allow_nan=True).encode())
+    if draw(st.integers(0, 9)) == 0 and b'"' in data:
+        at = data.index(b'"') + 1
+        data[at:at] = b"\xed\xa0\x80"  # a lone surrogate as raw (invalid UTF-8) bytes
     for _ in range(draw(st.integers(0, 2))):
         op = draw(st.sampled_from(["flip", "cut", "insert"]))
         at = draw(st.integers(0, max(0, len(data) - 1)))
@@ -156,22 +173,36 @@ def test_validate_raises_only_schema_errors(record: dict[str, Any]) -> None:
         return
 
 
+JUNK_ENTRIES = st.lists(st.sampled_from(JUNK_KINDS), max_size=4)
+
+
 @fuzz_settings(60)
-@given(bodies=st.lists(frames(), min_size=1, max_size=6))
-def test_spool_reader_never_raises(bodies: list[bytes]) -> None:
+@given(
+    bodies=st.lists(frames(), min_size=1, max_size=6),
+    good_records=st.integers(1, 200),
+    junk=JUNK_ENTRIES,
+)
+def test_spool_reader_never_raises(bodies: list[bytes], good_records: int, junk: list[str]) -> None:
     hello = kvspool.encode_frame(kvspool.encode_payload(base_record("hello", 1)))
     with tempfile.TemporaryDirectory() as tmp:
         spool = Path(tmp) / "spool"
         spool.mkdir()
         (spool / "fz.000000.kvs").write_bytes(hello + b"".join(bodies))
+        good = Producer(spool, "good-decode-r0-1-goodgood", t0=T0)
+        good.append(good.hello(), *(good.event(f"good-{i}") for i in range(good_records)))
+        add_junk(spool, junk)
         journal = Journal(Path(tmp) / "j.db")
         try:
             state = journal.load()
             reader = SpoolReader(spool, journal, state, idle_grace=0.0, quarantine_dir=spool / "q")
             first = reader.poll()
-            assert first.records >= 1  # the hello before the damage is kept
+            assert first.records >= 1 + good_records  # the hostile hello and every good record
             reader.poll()
-            assert not list(spool.glob("*.kvs"))  # finished: nothing wedged
+            assert not list(spool.glob("fz.*.kvs"))  # finished: nothing wedged
+            assert not list(spool.glob("good-*.kvs"))
+            committed = {i["request_id"] for i in journal.incidents() if i["producer"] == good.name}
+            assert committed == {f"good-{i}" for i in range(good_records)}
+            render_all(state, journal)
         finally:
             journal.close()
 

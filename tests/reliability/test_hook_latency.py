@@ -14,7 +14,7 @@ RATE = 8_000.0  # records/s: 2.5 s per condition
 
 
 def test_append_latency_normal_stopped_killed(tmp_path: Path) -> None:
-    # The spool lives on tmpfs (DESIGN.md); /dev/shm is one on any Linux machine.
+    # The spool lives on tmpfs (docs/architecture.md); /dev/shm is one on any Linux machine.
     shm = Path("/dev/shm")
     with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else tmp_path) as spool_root:
         results = latency_under_daemon_conditions(Path(spool_root), APPENDS, RATE)

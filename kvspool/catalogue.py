@@ -1,0 +1,336 @@
+"""The catalogue: every name the hooks and the daemon agree on, defined once.
+
+Detectors, finding kinds, skip reasons, admission queues, hooks, drop reasons, reject reasons,
+roles and engines (each a fixed label value set, ``"other"`` included), and every counter and
+gauge a producer reports with its labels, metric family and help text. The record types
+(:mod:`kvspool.records`), the daemon's ``/metrics`` and state, the engine adapters and the
+dashboards and alerts generators all derive from these tables; none keeps its own copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, overload
+
+OTHER: Final = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class Label:
+    """A label and its fixed value set; a producer's other values are counted as ``other``."""
+
+    name: str
+    #: value -> what it means.
+    values: dict[str, str]
+
+    @property
+    def sorted_values(self) -> tuple[str, ...]:
+        return tuple(sorted(self.values))
+
+    def bound(self, value: object) -> str:
+        text = value if type(value) is str else str(value)
+        return text if text in self.values else OTHER
+
+
+def _label(name: str, values: dict[str, str]) -> Label:
+    return Label(name, {**values, OTHER: "a value outside the fixed set"})
+
+
+ROLE: Final = _label(
+    "role",
+    {
+        "prefill": "a prefill engine of a disaggregated pair",
+        "decode": "a decode engine of a disaggregated pair",
+        "unified": "an engine that prefills and decodes",
+    },
+)
+ENGINE: Final = _label(
+    "engine",
+    {"sglang": "SGLang", "vllm": "vLLM", "minipd": "minipd, the reference PD engine"},
+)
+DETECTOR: Final = _label(
+    "detector",
+    {
+        "canary": "reserved pages stamped with a canary until written",
+        "checksum": "the writer seals an Adler-32 over its pages, the reader checks it",
+        "page_tag": "page generations checked while a request holds them",
+        "admission": "admission queues checked for aborted requests",
+        "engine_canary": "the engine's own canary, where it has one",
+        "engine_checksum": "the engine's own checksum, where it has one",
+    },
+)
+KIND: Final = _label(
+    "kind",
+    {
+        "unwritten_page": "a reserved page still holds its canary at admit: nobody wrote it",
+        "write_to_free_page": "a free page's canary was overwritten before its next allocation",
+        "digest": "the reader's Adler-32 over the pages differs from the writer's seal",
+        "page_count": "the reader holds a different number of pages than the writer sealed",
+        "stale_tag": "a page's generation changed while a request still referenced it",
+        "double_free": "a page returned to the free list while already free",
+        "aborted_admitted": "an aborted request passed an admission queue",
+    },
+)
+SKIP_REASON: Final = _label(
+    "reason",
+    {
+        "mode_off": "the detector is off",
+        "unsupported_layout": "the engine's KV layout is not one the detector reads",
+        "no_seal": "the writer sealed no digest for the request",
+        "no_pool": "no KV pool was registered",
+        "hook_error": "the hook raised (counted in hook_errors as well)",
+    },
+)
+QUEUE: Final = _label(
+    "queue",
+    {
+        "prefill_bootstrap": "prefill's bootstrap queue",
+        "decode_prealloc": "decode's preallocation queue",
+    },
+)
+HOOK: Final = _label(
+    "hook",
+    {
+        "alloc": "pages allocated",
+        "free": "pages freed",
+        "reserve": "pages reserved for a transfer",
+        "seal": "the writer seals a digest",
+        "verify": "the reader verifies",
+        "step": "once per engine step",
+        "resolve": "device verdicts read back",
+        "admission": "an admission queue is checked",
+        "startup": "the hooks are installed",
+        "flush": "counters and gauges written to the spool",
+    },
+)
+DROP_REASON: Final = _label(
+    "reason",
+    {
+        "spool_full": "the producer's segments fill the spool",
+        "write_error": "the write failed (disk full, spool directory gone)",
+        "oversize": "the record is larger than MAX_RECORD_BYTES",
+        "closed": "the writer was closed",
+    },
+)
+#: Why the daemon rejected a frame, record or file (``kvwatch_spool_rejected_total{reason}``).
+REJECT_REASON: Final = Label(
+    "reason",
+    {
+        "crc": "the payload's CRC32 does not match",
+        "framing": "bytes that are not a frame (no magic): damage, resynchronised",
+        "oversize": "a frame longer than MAX_RECORD_BYTES",
+        "torn": "an incomplete last frame of a segment whose producer is gone",
+        "malformed": "not JSON, or a field missing, of the wrong type or out of range",
+        "schema": "an unknown schema version or record type",
+        "producer": "a record naming another producer than its segment",
+        "sequence": "a sequence number not above the last one seen (duplicate, replay)",
+        "internal": "the daemon failed to store a valid record (a daemon bug): dead-lettered",
+        "owner": "a segment file owned by a user not allowed to write the spool",
+        "not_regular": "a segment name that is a FIFO, device, directory or symlink",
+        "name": "a *.kvs file whose name is not <producer>.<index>.kvs",
+    },
+)
+MODES: Final = frozenset({"off", "log", "enforce"})
+ACTIONS: Final = frozenset({"logged", "enforced"})
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One counter or gauge a producer reports, and the metric family the daemon sums it into."""
+
+    #: The name in a ``counters`` / ``gauges`` record.
+    name: str
+    family: str
+    help: str
+    #: The family's labels, in order; :data:`ROLE` is filled from the producer, not the record.
+    labels: tuple[Label, ...] = ()
+
+    @property
+    def record_labels(self) -> tuple[Label, ...]:
+        return tuple(label for label in self.labels if label is not ROLE)
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(label.name for label in self.labels)
+
+
+COUNTERS: Final = (
+    Series(
+        "verifications",
+        "kvwatch_verifications",
+        "Requests a detector verified, summed over engine processes.",
+        (DETECTOR, ROLE),
+    ),
+    Series(
+        "verifications_skipped",
+        "kvwatch_verifications_skipped",
+        "Requests a detector did not verify, by reason.",
+        (DETECTOR, ROLE, SKIP_REASON),
+    ),
+    Series(
+        "mismatches",
+        "kvwatch_mismatches",
+        "KV integrity mismatches found by a detector: a request read pages it did not write.",
+        (DETECTOR, ROLE, KIND),
+    ),
+    Series(
+        "aborted_admissions",
+        "kvwatch_aborted_admissions",
+        "Aborted requests that an admission queue let through.",
+        (QUEUE, ROLE),
+    ),
+    Series(
+        "hook_seconds",
+        "kvwatch_hook_seconds",
+        "Time spent inside kvwatch's engine hooks.",
+        (HOOK, ROLE),
+    ),
+    Series(
+        "hook_errors",
+        "kvwatch_hook_errors",
+        "Exceptions caught inside kvwatch's engine hooks (the engine never sees them).",
+        (HOOK, ROLE),
+    ),
+    Series(
+        "spool_dropped",
+        "kvwatch_spool_dropped_records",
+        "Records the hooks could not write to the spool, by reason.",
+        (DROP_REASON,),
+    ),
+)
+GAUGES: Final = (
+    Series("kv_pool_tokens", "kvwatch_kv_pool_tokens", "Tokens the engine's KV pool holds."),
+    Series(
+        "context_length_tokens",
+        "kvwatch_context_length_tokens",
+        "The longest prompt the engine accepts (its advertised context length).",
+    ),
+    Series("page_size_tokens", "kvwatch_page_size_tokens", "Tokens per KV page."),
+)
+COUNTER_BY_NAME: Final = {series.name: series for series in COUNTERS}
+GAUGE_BY_NAME: Final = {series.name: series for series in GAUGES}
+
+#: The unsafe band: prompt lengths that pass the context check but do not fit the KV pool.
+UNSAFE_BAND_HELP: Final = (
+    "Prompt lengths that pass the context check but do not fit the KV pool:"
+    " max(0, context - pool). Above 0, a rejected prompt can read other users' pages."
+)
+
+
+#: The labels of the families that describe an engine (its gauges, the unsafe band).
+ENGINE_LABELS: Final = ("role", "engine", "model", "rank", "source")
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A metric family the daemon exposes from its own state, not summed from producers."""
+
+    name: str
+    type: str  # "counter" or "gauge"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+#: Every other family on /metrics (with COUNTERS and GAUGES above: all of them).
+DAEMON_FAMILIES: Final = (
+    Family(
+        "kvwatch_build_info",
+        "gauge",
+        "kvwatch's version; the value is 1.",
+        ("version", "python"),
+    ),
+    Family(
+        "kvwatch_engine_info",
+        "gauge",
+        "The engines kvwatch sees; the value is 1.",
+        ("engine", "version", "role", "model"),
+    ),
+    Family("kvwatch_unsafe_band_tokens", "gauge", UNSAFE_BAND_HELP, ENGINE_LABELS),
+    Family(
+        "kvwatch_incidents",
+        "counter",
+        "Detection events committed to the journal (one per affected request and finding).",
+        ("detector", "role", "kind"),
+    ),
+    Family(
+        "kvwatch_spool_records",
+        "counter",
+        "Spool records committed to the journal.",
+    ),
+    Family(
+        "kvwatch_spool_rejected",
+        "counter",
+        "Spool frames, records or files rejected, by reason.",
+        ("reason",),
+    ),
+    Family(
+        "kvwatch_spool_clamped_records",
+        "counter",
+        "Records whose timestamp lay outside the daemon's clock window, stored with the"
+        " daemon's time instead.",
+    ),
+    Family(
+        "kvwatch_spool_lost_records",
+        "counter",
+        "Records missing from a producer's sequence numbers (never reached the daemon).",
+    ),
+    Family(
+        "kvwatch_spool_lag_bytes",
+        "gauge",
+        "Bytes in the spool not yet read.",
+    ),
+    Family(
+        "kvwatch_producers",
+        "gauge",
+        "Engine processes with a live spool segment.",
+    ),
+    Family(
+        "kvwatch_last_record_timestamp_seconds",
+        "gauge",
+        "Unix time of the newest record committed to the journal.",
+    ),
+    Family(
+        "kvwatch_log_lines",
+        "counter",
+        "Engine log lines read.",
+    ),
+    Family(
+        "kvwatch_log_errors",
+        "counter",
+        "Engine log lines that could not be read, by reason.",
+        ("reason",),
+    ),
+    Family(
+        "kvwatch_nvml_up",
+        "gauge",
+        "Whether NVML answered (0 on a node without NVIDIA GPUs).",
+    ),
+    Family(
+        "kvwatch_gpu_memory_bytes",
+        "gauge",
+        "GPU memory by state (total, used, free), from NVML.",
+        ("gpu", "state"),
+    ),
+    Family(
+        "kvwatch_collector_success",
+        "gauge",
+        "Whether the collector's last run succeeded.",
+        ("collector",),
+    ),
+    Family(
+        "kvwatch_collector_duration_seconds",
+        "gauge",
+        "How long the collector's last run took.",
+        ("collector",),
+    ),
+)
+FAMILY_BY_NAME: Final = {family.name: family for family in DAEMON_FAMILIES}
+
+
+@overload
+def unsafe_band(context_tokens: int, pool_tokens: int) -> int: ...
+@overload
+def unsafe_band(context_tokens: float, pool_tokens: float) -> float: ...
+def unsafe_band(context_tokens: float, pool_tokens: float) -> float:
+    """Tokens of prompt length that pass the context check but do not fit the pool."""
+    return max(context_tokens - pool_tokens, 0)

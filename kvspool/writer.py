@@ -1,0 +1,225 @@
+"""The spool writer: one append-only segment file per engine process, on tmpfs.
+
+Torch-free, so that tests and tools run real producers without an engine.
+
+One framed record per ``write()`` on an ``O_APPEND`` descriptor; every record has the producer
+id and a sequence number. The writer never raises into the engine and never waits on the daemon:
+a record it cannot write (spool full, disk error, oversize) is dropped, counted by reason, and
+shows up at the daemon as a gap in the sequence. The active segment holds an exclusive ``flock``
+so the daemon can tell a live producer from a dead one; a full segment is sealed with a final
+record naming its successor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Final
+
+from kvspool import records as schema
+from kvspool.framing import HEADER_BYTES, SEGMENT_SUFFIX, encode_frame
+from kvspool.schema import encode_payload
+
+#: Where engines write and the daemon reads, unless configured otherwise.
+DEFAULT_SPOOL_DIR: Final = "/run/kvwatch/spool"
+#: The private name a segment has while its producer creates and locks it.
+PRIVATE_SUFFIX: Final = ".new"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+# After a failure to open a segment, wait this long before trying again.
+_RETRY_SECONDS = 1.0
+
+
+class SpoolWriter:
+    """Appends records for one producer (one engine process) to its spool segments."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] = DEFAULT_SPOOL_DIR,
+        *,
+        engine: str,
+        role: str,
+        model: str = "",
+        engine_version: str = "",
+        rank: int = 0,
+        segment_bytes: int = 8 << 20,
+        max_segments: int = 8,
+    ) -> None:
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.max_segments = max_segments
+        self.identity: dict[str, Any] = {
+            "engine": engine,
+            "engine_version": engine_version,
+            "role": role,
+            "model": model[: schema.MAX_STRING_CHARS],
+            "rank": rank,
+            "pid": os.getpid(),
+            "node": socket.gethostname()[: schema.MAX_STRING_CHARS],
+        }
+        tag = _UNSAFE.sub("_", f"{engine}-{role}-r{rank}")
+        self.producer = f"{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.dropped: Counter[str] = Counter()
+        self.written = 0
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._segment_index = 0
+        self._fd: int | None = None
+        self._size = 0
+        self._retry_at = 0.0
+        self._retry_full = False
+        self._next_check = 0.0
+        self._closed = False
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    @property
+    def segment_path(self) -> Path:
+        return self.directory / self._segment_name(self._segment_index)
+
+    def write(self, record_type: str, fields: dict[str, Any]) -> bool:
+        """Append one record; True if it reached the spool. Never raises."""
+        try:
+            with self._lock:
+                return self._write_locked(record_type, fields)
+        except Exception:  # the engine must never see a spool failure
+            self.dropped["write_error"] += 1
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._close_fd()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _segment_name(self, index: int) -> str:
+        return f"{self.producer}.{index:06d}{SEGMENT_SUFFIX}"
+
+    def _frame(self, record_type: str, fields: dict[str, Any]) -> bytes:
+        self._seq += 1
+        record = {
+            "v": schema.SCHEMA_VERSION,
+            "type": record_type,
+            "producer": self.producer,
+            **fields,
+            "seq": self._seq,
+            "ts": time.time(),
+        }
+        return encode_frame(encode_payload(record))
+
+    def _write_locked(self, record_type: str, fields: dict[str, Any]) -> bool:
+        if self._closed:
+            self._seq += 1
+            self.dropped["closed"] += 1
+            return False
+        if self._fd is not None and time.monotonic() >= self._next_check:
+            self._check_segment_still_there()
+        if self._fd is None and not self._open_segment():
+            self._seq += 1  # the lost record leaves a gap the daemon counts
+            return False
+        frame = self._frame(record_type, fields)
+        if len(frame) - HEADER_BYTES > schema.MAX_RECORD_BYTES:
+            self.dropped["oversize"] += 1
+            return False
+        if self._size + len(frame) > self.segment_bytes:
+            self._seq -= 1  # re-framed below, after the seal and the next segment's hello
+            self._rotate()
+            if not self._open_segment():
+                self._seq += 1
+                return False
+            frame = self._frame(record_type, fields)
+        return self._append(frame)
+
+    def _append(self, frame: bytes) -> bool:
+        assert self._fd is not None
+        try:
+            written = os.write(self._fd, frame)
+        except OSError:
+            self.dropped["write_error"] += 1
+            self._close_fd()  # reopen a fresh segment later: the directory may be gone
+            return False
+        self._size += written
+        if written != len(frame):  # ENOSPC mid-record: the reader sees a torn frame and resyncs
+            self.dropped["write_error"] += 1
+            return False
+        self.written += 1
+        return True
+
+    def _check_segment_still_there(self) -> None:
+        """A segment unlinked under us (spool directory removed) would swallow every record."""
+        self._next_check = time.monotonic() + _RETRY_SECONDS
+        assert self._fd is not None
+        if os.fstat(self._fd).st_nlink == 0:
+            self._close_fd()
+            self._segment_index += 1
+
+    def _rotate(self) -> None:
+        next_name = self._segment_name(self._segment_index + 1)
+        frame = self._frame(schema.SEAL, {"next_segment": next_name})
+        self._append(frame)
+        self._close_fd()
+        self._segment_index += 1
+
+    def _own_segments(self) -> int:
+        prefix = self.producer + "."
+        return sum(1 for name in os.listdir(self.directory) if name.startswith(prefix))
+
+    def _open_segment(self) -> bool:
+        now = time.monotonic()
+        if now < self._retry_at:
+            self.dropped["spool_full" if self._retry_full else "write_error"] += 1
+            return False
+        self._retry_full = False
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if self._own_segments() >= self.max_segments:
+                self._retry_full = True
+                raise OSError("spool full")
+            fd = self._create_locked(self.segment_path)
+        except OSError:
+            self._retry_at = now + _RETRY_SECONDS
+            self.dropped["spool_full" if self._retry_full else "write_error"] += 1
+            if not self._retry_full:
+                self._segment_index += 1  # never append to a file we did not create
+            return False
+        self._fd = fd
+        self._size = 0
+        # Each segment starts with who wrote it, so the daemon can label it on its own.
+        return self._append(self._frame(schema.HELLO, self.identity)) or True
+
+    @staticmethod
+    def _create_locked(path: Path) -> int:
+        """Create the segment under a private name, lock it, then rename it into place: the
+        daemon never sees a live segment without its lock (it would take it for abandoned)."""
+        private = path.with_name(f".{path.name}{PRIVATE_SUFFIX}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(private, flags, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows the file yet
+            if path.exists():
+                raise FileExistsError(path)
+            os.rename(private, path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(private)
+            raise
+        return fd
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # also releases the flock
+            self._fd = None

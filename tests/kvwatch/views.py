@@ -1,0 +1,46 @@
+"""Everything an operator reads, rendered from a daemon's state and journal: ``/metrics``, the
+status page and ``kvwatch incidents`` (table and JSON). A record that broke one of them would
+be a record that silences kvwatch for everyone."""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvwatch import incidents, statuspage
+from kvwatch.journal import Journal
+from kvwatch.metrics import KvwatchCollector
+from kvwatch.state import State
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def render_all(state: State, journal: Journal) -> str:
+    """Render every view; raises if any fails. Returns the /metrics text, every value finite."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KvwatchCollector(state))
+    text = generate_latest(registry).decode()
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            assert math.isfinite(float(match.group(3))), line
+    rows = journal.incidents()
+    page = statuspage.render(state, rows[-20:])
+    assert "<html" in page.lower()
+    out = io.StringIO()
+    incidents.render(rows, out, as_json=False)
+    incidents.render(rows, out, as_json=True)
+    assert f"{len(rows)} incident(s)" in out.getvalue()
+    return text
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from /metrics text (0 when absent)."""
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) == name and (match.group(2) or "") == labels:
+            return float(match.group(3))
+    return 0.0
