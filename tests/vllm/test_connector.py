@@ -9,8 +9,6 @@ import pytest
 import torch
 import vllm
 from harness import (
-    BLOCK_SIZE,
-    NUM_BLOCKS,
     Node,
     kv_cache_config,
     kvwatch_child,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from harness import BLOCK_SIZE, RUNNERS, TRANSPORTS, Pair, pair
+from harness import RUNNERS, TRANSPORTS, Pair, pair
 from transport import LINKS
 from vllm.v1.engine import FinishReason
 
@@ -33,7 +33,7 @@ def _kinds(p: Pair) -> set[tuple[str, str]]:
     return {(v.detector, v.kind or "") for n in (p.prefill, p.decode) for v in n.kvwatch.verdicts}
 
 
-@pytest.fixture(params=[(r, t) for r in RUNNERS for t in TRANSPORTS], ids=lambda p: "-".join(p))
+@pytest.fixture(params=[(r, t) for r in RUNNERS for t in TRANSPORTS], ids="-".join)
 def bed(request: pytest.FixtureRequest, tmp_path: Path, model: str) -> dict[str, Any]:
     runner, transport = request.param
     return {"tmp_path": tmp_path, "model": model, "runner": runner, "transport": transport}
@@ -64,7 +64,7 @@ def test_decode_prefix_hit_checks_the_loaded_blocks(bed: dict[str, Any]) -> None
     p = pair(**bed)
     p.serve("first", list(range(1, 15)))
     p.run()
-    p.serve("second", list(range(1, 9)) + [99, 98, 97, 96, 95, 94])
+    p.serve("second", [*list(range(1, 9)), 99, 98, 97, 96, 95, 94])
     p.run()
     assert p.decode.finished["second"].finish_reason == FinishReason.LENGTH
     assert _kinds(p) == set()
