@@ -93,8 +93,9 @@ def test_clean_pd_requests_are_served_with_zero_findings(bed: Bed) -> None:
 def corrupted_findings(bed: Bed, mode: str, words: int) -> tuple[int, list[dict[str, Any]]]:
     server = f"decode-{mode}"
     before = len(findings(bed, server))
-    # A prompt no other request shares: the corrupted block is nobody else's prefix.
-    served = bed.pd(mode, prompt(10 + words, words) + f" {mode} corrupt", 8, corrupt=True)
+    # A first block no other request shares: neither server's prefix cache holds it, so decode
+    # loads the corrupted block (a block decode already has locally is never read from the wire).
+    served = bed.pd(mode, f"{mode} corrupt " + prompt(11, words), 8, corrupt=True)
     deadline = time.monotonic() + SPOOL_WAIT_S
     while True:
         new = findings(bed, server)[before:]
