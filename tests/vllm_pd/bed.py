@@ -219,6 +219,7 @@ class Reply:
     text: str | None
     token_ids: list[int] | None
     body: str
+    prompt_token_ids: list[int] | None = None
 
 
 def reply(response: requests.Response) -> Reply:
@@ -227,7 +228,7 @@ def reply(response: requests.Response) -> Reply:
     choice = response.json()["choices"][0]
     if choice.get("finish_reason") == "error":  # a failed load surfaced as an error choice
         return Reply(500, None, None, response.text[:500])
-    return Reply(200, choice["text"], choice.get("token_ids"), "")
+    return Reply(200, choice["text"], choice["token_ids"], "", choice["prompt_token_ids"])
 
 
 def corrupt_stored(prompt_dir: Path) -> None:

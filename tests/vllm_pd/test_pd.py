@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
+from transformers import LlamaForCausalLM
 
 from tests.vllm_pd.bed import ROOT, Bed, running_bed
 
@@ -46,6 +48,22 @@ def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         yield running
 
 
+@pytest.fixture(scope="module")
+def reference() -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+
+
+def greedy(model: LlamaForCausalLM, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy tokens from transformers' own Llama: a reference that shares no code with vLLM or
+    kvwatch, so a hook that changed KV on both servers alike still fails the comparison."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids) :]
+
+
 def findings(bed: Bed, server: str) -> list[dict[str, Any]]:
     return bed.spool(server).events()
 
@@ -69,10 +87,14 @@ def describe(events: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
     return [(e["detector"], e["kind"], e["action"], e["request_id"]) for e in events]
 
 
-def test_clean_pd_requests_are_served_with_zero_findings(bed: Bed) -> None:
+def test_clean_pd_requests_are_served_with_zero_findings(
+    bed: Bed, reference: LlamaForCausalLM
+) -> None:
     for text in CLEAN:
         single = bed.single(text, 12)
         assert single.status == 200, single.body
+        assert single.prompt_token_ids is not None
+        assert single.token_ids == greedy(reference, single.prompt_token_ids, 12)
         for mode in DECODES:
             served = bed.pd(mode, text, 12)
             assert served.status == 200, f"{bed.transport}/{mode}: {served.body}"
