@@ -62,7 +62,8 @@ vllm-test:
 # the tiny model is generated at setup. Venv and model cached under build/.
 vllm-pd-test:
 	PYTHON=$(PYTHON) bash tests/vllm_pd/setup_env.sh
-	timeout 900 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider tests/vllm_pd
+	timeout -k 60 900 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider \
+	    --basetemp=build/vllm-pd-tmp tests/vllm_pd
 
 test: tools lint typecheck unit sglang-test vllm-test vllm-pd-test
 

@@ -33,7 +33,7 @@ from tests.vllm_pd.corrupter import FLAG
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
-START_TIMEOUT_S = 240.0
+START_TIMEOUT_S = 420.0  # three servers starting together on a busy 2-core machine
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -124,6 +124,12 @@ class Server:
             HF_HUB_OFFLINE="1",
         )
         cmd = [
+            # A test process killed outright (no teardown) takes the API server with it; vLLM's
+            # engine processes follow their API server.
+            "setpriv",
+            "--pdeathsig",
+            "TERM",
+            "--",
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -151,7 +157,11 @@ class Server:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
 
     def wait_ready(self, deadline: float) -> None:
@@ -167,22 +177,19 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not ready:\n{self.tail()}")
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+    def signal_group(self, sig: int) -> None:
+        if self.proc is not None:  # start_new_session: the group is the server and its engines
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the API server until ``deadline``, then kill whatever is left of the group."""
+        if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session: the group is the server and its engine procs
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        with suppress(ProcessLookupError):  # engine processes left behind by the API server
-            os.killpg(pgid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self.signal_group(signal.SIGKILL)
+        self.proc.wait(timeout=10)
 
     def tail(self, n: int = 60) -> str:
         try:
@@ -211,6 +218,14 @@ class Server:
         if xargs:
             body["vllm_xargs"] = xargs
         return requests.post(self.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+
+
+def stop_all(servers: list[Server], grace_s: float = 20.0) -> None:
+    for server in servers:
+        server.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for server in servers:
+        server.reap(deadline)
 
 
 @dataclass
@@ -346,8 +361,7 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
     }
     servers = [prefill, *decode.values()]
     with ExitStack() as stack:
-        for server in servers:
-            stack.callback(server.stop)
+        stack.callback(stop_all, servers)
         for server in servers:
             server.start()
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -141,6 +141,13 @@ def test_kv_corrupted_after_the_seal_fails_the_request_in_enforce_mode(bed: Bed)
     assert [(e["detector"], e["kind"], e["action"]) for e in new] == [
         ("checksum", "digest", "enforced")
     ], describe(new)
+    # Failed by vLLM's own scheduler, through kv_load_failure_policy, for that request.
+    failed = [
+        line
+        for line in bed.decode["enforce"].log.read_text(errors="replace").splitlines()
+        if "due to KV load failure (failure_policy=fail" in line
+    ]
+    assert len(failed) == 1 and new[0]["request_id"] in failed[0], failed
     # The engine still serves clean PD traffic after failing one request.
     text = CLEAN[1]
     assert bed.pd("enforce", text, 12).token_ids == bed.single(text, 12).token_ids
