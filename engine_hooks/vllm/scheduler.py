@@ -258,6 +258,10 @@ class SchedulerSide:
 
     def build(self, scheduler_output: Any) -> KVWatchMetadata:
         self.track(scheduler_output)
+        # A request that finished (was aborted) after its load completed and before this step
+        # has given its blocks back: there is nothing of its own left to check.
+        gone = set(self.release)
+        self.verify = [job for job in self.verify if job.request_id not in gone]
         meta = KVWatchMetadata(
             events=self.ledger.drain(),
             seal=self.seal_jobs,

@@ -200,6 +200,7 @@ class Node:
     name: str = ""
     layout: KVCacheLayout = KVCacheLayout.LBHNC
     finished: dict[str, Any] = field(default_factory=dict)  # rid -> final EngineCoreOutput
+    preempted: int = 0  # requests vLLM's scheduler preempted
 
     def __post_init__(self) -> None:
         self.name = self.name or self.role
@@ -280,6 +281,7 @@ class Node:
         Returns this step's outputs by request id."""
         with self.active_connector():
             out = self.scheduler.schedule()
+            self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
             plan, sampled = self._plan(out)
             if self.runner == "v2":
                 result = self._step_v2(out, plan, sampled)

@@ -259,3 +259,21 @@ def test_records_land_in_the_spool(bed: dict[str, Any]) -> None:
     assert counters["verifications"]
     gauges = {g[0] for r in contents.records if r["type"] == "gauges" for g in r["gauges"]}
     assert gauges == {"kv_pool_tokens", "context_length_tokens", "page_size_tokens"}
+
+
+def test_abort_after_the_load_finished(bed: dict[str, Any]) -> None:
+    """Aborted between the load's completion and its check: vLLM frees the blocks at once and
+    may hand them to another request in the same schedule; kvwatch must not check them."""
+    if bed["transport"] != "async":
+        pytest.skip("a synchronous load is checked in the step that loads it")
+    p = pair(num_blocks=8, **bed)
+    _serve_prefill_only(p, "gone", PROMPTS["aligned"])
+    p.decode.add("gone", PROMPTS["aligned"], 3, dict(p.prefill.finished["gone"].kv_transfer_params))
+    while "gone" not in p.decode.scheduler.finished_recving_kv_req_ids:
+        p.decode.step()
+        p.prefill.step()
+    p.decode.abort("gone")
+    p.serve("next", list(range(50, 66)), max_tokens=2)  # takes the freed blocks
+    p.run()
+    assert p.decode.finished["next"].finish_reason == FinishReason.LENGTH
+    assert _kinds(p) == set()
