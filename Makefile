@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test
+.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test \
+	mutation-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,7 +57,12 @@ vllm-test:
 	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
 	build/vllm-venv/bin/python -m pytest tests/vllm
 
-test: tools lint typecheck unit sglang-test vllm-test
+# Each method the kvwatch vLLM connector overrides, removed in turn: some test must fail.
+mutation-vllm:
+	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
+	build/vllm-venv/bin/python tests/mutation.py vllm
+
+test: tools lint typecheck unit sglang-test vllm-test mutation-vllm
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py
