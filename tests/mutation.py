@@ -74,11 +74,12 @@ def _failures(report: Path) -> tuple[int, str]:
     if not report.exists():
         return 0, ""
     failed = [
-        f"{case.get('classname', '')}::{case.get('name', '')}"
+        # classname is the dotted module path; the test name may hold dots in its parameters.
+        f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name', '')}"
         for case in ET.parse(report).getroot().iter("testcase")
         if case.find("failure") is not None or case.find("error") is not None
     ]
-    return len(failed), (failed[0].rsplit(".", 1)[-1] if failed else "")
+    return len(failed), (failed[0] if failed else "")
 
 
 def table(results: list[Result]) -> str:
