@@ -39,6 +39,14 @@ def bed(request: pytest.FixtureRequest, tmp_path: Path, model: str) -> dict[str,
     return {"tmp_path": tmp_path, "model": model, "runner": runner, "transport": transport}
 
 
+@pytest.fixture(params=RUNNERS)
+def async_bed(request: pytest.FixtureRequest, tmp_path: Path, model: str) -> dict[str, Any]:
+    """Faults only an asynchronous load can have: a load that lands and is read in later steps
+    (a synchronous one is loaded and checked in one step, always whole, and ExampleConnector
+    loads fewer blocks than prefill sealed, so a shorter seal still covers them)."""
+    return {"tmp_path": tmp_path, "model": model, "runner": request.param, "transport": "async"}
+
+
 @pytest.mark.parametrize("mode", ["log", "enforce"])
 def test_clean_requests_are_served_with_zero_findings(bed: dict[str, Any], mode: str) -> None:
     p = pair(mode=mode, **bed)
@@ -118,10 +126,8 @@ def test_corrupted_transfer(bed: dict[str, Any], mode: str) -> None:
         assert {e["action"] for e in events} == {"logged"}
 
 
-def test_missing_block_is_caught(bed: dict[str, Any]) -> None:
-    if bed["transport"] != "async":
-        pytest.skip("ExampleConnector writes every block it loads")
-    p = pair(**bed)
+def test_missing_block_is_caught(async_bed: dict[str, Any]) -> None:
+    p = pair(**async_bed)
     rid, prompt = "miss", PROMPTS["aligned"]
     _serve_prefill_only(p, rid, prompt)
 
@@ -204,12 +210,10 @@ def test_late_write_into_a_freed_block(bed: dict[str, Any], mode: str) -> None:
     assert all(out.finish_reason == FinishReason.LENGTH for out in p.decode.finished.values())
 
 
-def test_block_reallocated_before_the_read(bed: dict[str, Any]) -> None:
+def test_block_reallocated_before_the_read(async_bed: dict[str, Any]) -> None:
     """A stale block reference: the pool takes a reserved block back and gives it out again
     before the load is read (tag check)."""
-    if bed["transport"] != "async":
-        pytest.skip("a synchronous load is read in the step that reserved it")
-    p = pair(**bed)
+    p = pair(**async_bed)
     _serve_prefill_only(p, "stale", PROMPTS["aligned"])
     p.decode.add(
         "stale", PROMPTS["aligned"], 3, dict(p.prefill.finished["stale"].kv_transfer_params)
@@ -225,10 +229,8 @@ def test_block_reallocated_before_the_read(bed: dict[str, Any]) -> None:
     assert p.decode.finished["stale"].finish_reason == FinishReason.ERROR
 
 
-def test_a_shorter_seal_is_a_page_count_finding(bed: dict[str, Any]) -> None:
-    if bed["transport"] != "async":
-        pytest.skip("a synchronous loader loads fewer blocks than were sealed")
-    p = pair(**bed)
+def test_a_shorter_seal_is_a_page_count_finding(async_bed: dict[str, Any]) -> None:
+    p = pair(**async_bed)
     _serve_prefill_only(p, "short", PROMPTS["aligned"])
     params = dict(p.prefill.finished["short"].kv_transfer_params)
     seal = params["kvwatch"]["seals"]["0"]
@@ -261,12 +263,10 @@ def test_records_land_in_the_spool(bed: dict[str, Any]) -> None:
     assert gauges == {"kv_pool_tokens", "context_length_tokens", "page_size_tokens"}
 
 
-def test_abort_after_the_load_finished(bed: dict[str, Any]) -> None:
+def test_abort_after_the_load_finished(async_bed: dict[str, Any]) -> None:
     """Aborted between the load's completion and its check: vLLM frees the blocks at once and
     may hand them to another request in the same schedule; kvwatch must not check them."""
-    if bed["transport"] != "async":
-        pytest.skip("a synchronous load is checked in the step that loads it")
-    p = pair(num_blocks=8, **bed)
+    p = pair(num_blocks=8, **async_bed)
     _serve_prefill_only(p, "gone", PROMPTS["aligned"])
     p.decode.add("gone", PROMPTS["aligned"], 3, dict(p.prefill.finished["gone"].kv_transfer_params))
     while "gone" not in p.decode.scheduler.finished_recving_kv_req_ids:
