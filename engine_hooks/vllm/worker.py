@@ -24,7 +24,7 @@ a local recompute (``recompute``); vLLM discards the step's output for that requ
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -92,7 +92,9 @@ class WorkerSide:
             return []
         ticket, reserve = pending.ticket, pending.job
         count = ticket.page_count if job.blocks is None else min(job.blocks, ticket.page_count)
-        ticket = Ticket(ticket.request_id, ticket.pages[:count], ticket.tags[:count])
+        # The delivered run of the reservation; the rest of the ticket (its request) as it is.
+        ticket = replace(ticket, pages=ticket.pages[:count], tags=ticket.tags[:count])
+        ticket._as_tensors = None
         seal = self._seal_for(reserve, count)
         # NIXL does not carry page tags, so the write is recorded when its completion is seen:
         # the tag check then catches a block reallocated between reservation and this read.

@@ -137,6 +137,7 @@ def vllm_config(
     model: str | None = None,
     num_blocks: int = NUM_BLOCKS,
     multi: bool | None = None,
+    policy: str = "fail",
 ) -> VllmConfig:
     if not (len(children) > 1 if multi is None else multi):
         ktc = KVTransferConfig(**children[0])
@@ -145,6 +146,7 @@ def vllm_config(
             kv_connector="MultiConnector",
             kv_role=role,
             kv_connector_extra_config={"connectors": children},
+            kv_load_failure_policy=policy,
         )
     extra: dict[str, Any] = {}
     if model is not None:
@@ -194,9 +196,11 @@ class Node:
     num_blocks: int = NUM_BLOCKS
     kvwatch_first: bool = True
     recompute_differs: bool = False
+    policy: str = "fail"  # vLLM's kv_load_failure_policy
     name: str = ""
     layout: KVCacheLayout = KVCacheLayout.LBHNC
     finished: dict[str, Any] = field(default_factory=dict)  # rid -> final EngineCoreOutput
+    preempted: int = 0  # requests vLLM's scheduler preempted
 
     def __post_init__(self) -> None:
         self.name = self.name or self.role
@@ -206,7 +210,9 @@ class Node:
         ]
         if not self.kvwatch_first:
             children.reverse()
-        self.config = vllm_config(children, self.role, self.model, self.num_blocks)
+        self.config = vllm_config(
+            children, self.role, self.model, self.num_blocks, policy=self.policy
+        )
         self.kcc = kv_cache_config(self.layout, self.num_blocks)
         self.scheduler = Scheduler(
             self.config, self.kcc, StructuredOutputManager(self.config), BLOCK_SIZE
@@ -275,6 +281,7 @@ class Node:
         Returns this step's outputs by request id."""
         with self.active_connector():
             out = self.scheduler.schedule()
+            self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
             plan, sampled = self._plan(out)
             if self.runner == "v2":
                 result = self._step_v2(out, plan, sampled)

@@ -112,6 +112,18 @@ def test_adding_kvwatch_changes_no_capability(
     assert caps[0] == caps[1]
 
 
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_kvwatch_answers_aggregates_with_their_neutral_value(tmp_path: Path, role: str) -> None:
+    """any() of False and all() of True leave MultiConnector's answer to the other children,
+    whatever they answer (vLLM's base class says a producer requires KV delivery)."""
+    config = _config(tmp_path, role, None)
+    connector = KVConnectorFactory.create_connector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config()
+    )
+    assert connector.requires_kv_delivery is False
+    assert connector.supports_divergent_local_hybrid_hits is True
+
+
 def test_seals_of_tp_ranks_merge_in_vllms_aggregator() -> None:
     seal0, seal1 = {"page_count": 3, "digest": 1}, {"page_count": 3, "digest": 2}
     outputs = [

@@ -39,6 +39,14 @@ def bed(request: pytest.FixtureRequest, tmp_path: Path, model: str) -> dict[str,
     return {"tmp_path": tmp_path, "model": model, "runner": runner, "transport": transport}
 
 
+@pytest.fixture(params=RUNNERS)
+def async_bed(request: pytest.FixtureRequest, tmp_path: Path, model: str) -> dict[str, Any]:
+    """Faults only an asynchronous load can have: a load that lands and is read in later steps
+    (a synchronous one is loaded and checked in one step, always whole, and ExampleConnector
+    loads fewer blocks than prefill sealed, so a shorter seal still covers them)."""
+    return {"tmp_path": tmp_path, "model": model, "runner": request.param, "transport": "async"}
+
+
 @pytest.mark.parametrize("mode", ["log", "enforce"])
 def test_clean_requests_are_served_with_zero_findings(bed: dict[str, Any], mode: str) -> None:
     p = pair(mode=mode, **bed)
@@ -80,7 +88,8 @@ def _corrupt(p: Pair, rid: str, transport: str) -> None:
 
         LINKS[p.decode.link].on_arrival[rid] = flip
         return
-    (stored,) = Path(p.decode.link).iterdir()  # the shared storage's one entry: this prompt
+    # The shared storage's newest entry: this prompt, just stored by prefill.
+    stored = max(Path(p.decode.link).iterdir(), key=lambda entry: entry.stat().st_mtime_ns)
     layer = sorted(stored.iterdir())[0]
     tensors = safetensors.torch.load_file(layer)
     tensors["kv_cache"].view(torch.uint8).view(-1)[5] ^= 0x01
@@ -117,10 +126,8 @@ def test_corrupted_transfer(bed: dict[str, Any], mode: str) -> None:
         assert {e["action"] for e in events} == {"logged"}
 
 
-def test_missing_block_is_caught(bed: dict[str, Any]) -> None:
-    if bed["transport"] != "async":
-        pytest.skip("ExampleConnector writes every block it loads")
-    p = pair(**bed)
+def test_missing_block_is_caught(async_bed: dict[str, Any]) -> None:
+    p = pair(**async_bed)
     rid, prompt = "miss", PROMPTS["aligned"]
     _serve_prefill_only(p, rid, prompt)
 
@@ -140,3 +147,133 @@ def test_missing_block_is_caught(bed: dict[str, Any]) -> None:
     p.run()
     assert {("canary", "unwritten_page"), ("checksum", "digest")} <= _kinds(p)
     assert p.decode.finished[rid].finish_reason == FinishReason.ERROR
+
+
+def test_kvwatch_listed_after_the_transport(bed: dict[str, Any]) -> None:
+    """Its place among MultiConnector's children does not matter: its pre-forward work runs in
+    bind_connector_metadata, which vLLM calls on every child before any start_load_kv."""
+    p = pair(kvwatch_first=False, **bed)  # on decode, the engine that checks loads
+    p.serve("clean", PROMPTS["ragged"])
+    p.run()
+    _serve_prefill_only(p, "bad", PROMPTS["aligned"])
+    _corrupt(p, "bad", bed["transport"])
+    p.decode.add("bad", PROMPTS["aligned"], 3, dict(p.prefill.finished["bad"].kv_transfer_params))
+    p.run()
+    assert p.decode.finished["clean"].finish_reason == FinishReason.LENGTH
+    assert p.decode.finished["bad"].finish_reason == FinishReason.ERROR
+    assert _kinds(p) == {("checksum", "digest")}
+
+
+def test_recompute_policy_serves_from_local_compute(bed: dict[str, Any]) -> None:
+    """kv_load_failure_policy="recompute": vLLM drops the bad blocks and computes them itself."""
+    p = pair(policy="recompute", **bed)
+    _serve_prefill_only(p, "bad", PROMPTS["aligned"])
+    _corrupt(p, "bad", bed["transport"])
+    p.decode.add("bad", PROMPTS["aligned"], 3, dict(p.prefill.finished["bad"].kv_transfer_params))
+    p.run()
+    assert p.decode.finished["bad"].finish_reason == FinishReason.LENGTH
+    assert _kinds(p) == {("checksum", "digest")}
+
+
+def _last_blocks(p: Pair, rid: str) -> list[int]:
+    """Run until ``rid`` finishes on decode; its blocks as of its last step."""
+    blocks: list[int] = []
+    for _ in range(50):
+        p.step()
+        if rid in p.decode.finished:
+            return blocks
+        if rid in p.decode.scheduler.requests:
+            blocks = p.decode.blocks(rid)
+    raise AssertionError(f"{rid} never finished on decode")
+
+
+@pytest.mark.parametrize("mode", ["log", "enforce"])
+def test_late_write_into_a_freed_block(bed: dict[str, Any], mode: str) -> None:
+    """A write that lands after decode freed the block (an aborted transfer's late RDMA write)
+    is caught when vLLM's block pool hands the block out again. Nothing can be failed (the
+    next owner rewrites the block before reading it), so the event says "logged"."""
+    p = pair(mode=mode, num_blocks=16, **bed)
+    p.serve("gone", PROMPTS["aligned"], max_tokens=3)
+    blocks = _last_blocks(p, "gone")
+    p.run()
+    p.decode.step()  # the next step's bind stamps the freed (unhashed) blocks
+    free = p.decode.scheduler.kv_cache_manager.block_pool
+    victim = next(b for b in blocks if free.blocks[b].block_hash is None)
+    for view in p.decode.kv.values():
+        view[victim].fill_(3.0)  # the late write
+    for i in range(12):  # one at a time: no preemption (ExampleConnector cannot resume on 0.32)
+        p.serve(f"next-{i}", [40 + i, *PROMPTS["ragged"]], max_tokens=2)
+        p.run()
+    assert _kinds(p) == {("canary", "write_to_free_page")}
+    events = read_spool(bed["tmp_path"] / "spool").events()
+    assert {e["action"] for e in events} == {"logged"}
+    assert all(out.finish_reason == FinishReason.LENGTH for out in p.decode.finished.values())
+
+
+def test_block_reallocated_before_the_read(async_bed: dict[str, Any]) -> None:
+    """A stale block reference: the pool takes a reserved block back and gives it out again
+    before the load is read (tag check)."""
+    p = pair(**async_bed)
+    _serve_prefill_only(p, "stale", PROMPTS["aligned"])
+    p.decode.add(
+        "stale", PROMPTS["aligned"], 3, dict(p.prefill.finished["stale"].kv_transfer_params)
+    )
+    p.decode.step()  # reserved; waiting for the remote KV
+    pool = p.decode.scheduler.kv_cache_manager.block_pool
+    victim = pool.blocks[p.decode.blocks("stale")[0]]
+    pool.free_blocks([victim])
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    pool.free_blocks([b for b in taken if b is not victim])
+    p.run()
+    assert ("page_tag", "stale_tag") in _kinds(p)
+    assert p.decode.finished["stale"].finish_reason == FinishReason.ERROR
+
+
+def test_a_shorter_seal_is_a_page_count_finding(async_bed: dict[str, Any]) -> None:
+    p = pair(**async_bed)
+    _serve_prefill_only(p, "short", PROMPTS["aligned"])
+    params = dict(p.prefill.finished["short"].kv_transfer_params)
+    seal = params["kvwatch"]["seals"]["0"]
+    seal["pages"] = seal["pages"][:-1]
+    seal["page_count"] -= 1
+    p.decode.add("short", PROMPTS["aligned"], 3, params)
+    p.run()
+    assert _kinds(p) == {("checksum", "page_count")}
+
+
+def test_records_land_in_the_spool(bed: dict[str, Any]) -> None:
+    p = pair(**bed)
+    p.serve("clean", PROMPTS["ragged"])
+    p.run()
+    _serve_prefill_only(p, "bad", PROMPTS["aligned"])
+    _corrupt(p, "bad", bed["transport"])
+    p.decode.add("bad", PROMPTS["aligned"], 3, dict(p.prefill.finished["bad"].kv_transfer_params))
+    p.run()
+    for node in (p.prefill, p.decode):
+        node.worker.shutdown()
+        node.scheduler.connector.shutdown()
+    contents = read_spool(bed["tmp_path"] / "spool")
+    assert not sum(contents.errors.values())
+    assert {(e["request_id"], e["detector"]) for e in contents.events()} == {("bad", "checksum")}
+    hellos = [r for r in contents.records if r["type"] == "hello"]
+    assert {(h["engine"], h["role"]) for h in hellos} >= {("vllm", "prefill"), ("vllm", "decode")}
+    counters = contents.latest_counters()
+    assert counters["verifications"]
+    gauges = {g[0] for r in contents.records if r["type"] == "gauges" for g in r["gauges"]}
+    assert gauges == {"kv_pool_tokens", "context_length_tokens", "page_size_tokens"}
+
+
+def test_abort_after_the_load_finished(async_bed: dict[str, Any]) -> None:
+    """Aborted between the load's completion and its check: vLLM frees the blocks at once and
+    may hand them to another request in the same schedule; kvwatch must not check them."""
+    p = pair(num_blocks=8, **async_bed)
+    _serve_prefill_only(p, "gone", PROMPTS["aligned"])
+    p.decode.add("gone", PROMPTS["aligned"], 3, dict(p.prefill.finished["gone"].kv_transfer_params))
+    while "gone" not in p.decode.scheduler.finished_recving_kv_req_ids:
+        p.decode.step()
+        p.prefill.step()
+    p.decode.abort("gone")
+    p.serve("next", list(range(50, 66)), max_tokens=2)  # takes the freed blocks
+    p.run()
+    assert p.decode.finished["next"].finish_reason == FinishReason.LENGTH
+    assert _kinds(p) == set()

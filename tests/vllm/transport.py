@@ -116,6 +116,11 @@ class AsyncTransport(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            # Decode finished (aborted) a request before it claimed the load: as NIXL, tell
+            # prefill it may free the blocks it holds.
+            self.link.read.add(request.request_id)
+            return False, None
         if not params.get("do_remote_decode"):
             return False, None
         if request.status.name != "FINISHED_LENGTH_CAPPED":
