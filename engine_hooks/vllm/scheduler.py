@@ -17,14 +17,25 @@ The seal channel (prefill -> decode), given that vLLM calls ``request_finished``
    ``MultiConnector`` merges children's params by reference to the inner dict, so the client (the
    PD proxy) receives the filled seal with the rest of the params and hands it to decode with
    NIXL's ``remote_block_ids``. A slot still empty at that point (the worker failed to seal)
-   reaches decode as ``{"v": 1}`` and decode counts ``skipped{checksum, no_seal}``.
+   reaches decode as ``{"v": 2}`` and decode counts ``skipped{checksum, no_seal}``.
 
 On decode, the request's ``kv_transfer_params["kvwatch"]`` (read in ``on_new_request``, before any
-connector flips ``do_remote_prefill``) gives the seals; ``update_state_after_alloc`` gives the
-blocks the remote KV lands in (unhashed blocks; hashed ones are decode's own prefix hits), which
-the worker stamps and tags (:class:`ReserveJob`); when the aggregated ``KVConnectorOutput`` reports
-the request in ``finished_recving`` the next step's metadata asks the worker to verify it
-before that step's forward, and failures go out through ``get_block_ids_with_load_errors``.
+connector flips ``do_remote_prefill``) gives the seals (one digest per block); the request's
+blocks (``update_state_after_alloc``) past its own prefix-cache hits (the computed tokens that
+``MultiConnector`` passes to every child's ``get_num_new_matched_tokens``) are stamped and tagged
+by the worker before any transport can write them (:class:`ReserveJob`). Which of them the
+transport filled, and when, depends on how it loads:
+
+- asynchronously (NIXL): the request waits in ``WAITING_FOR_REMOTE_KVS``; when the aggregated
+  ``KVConnectorOutput`` reports it in ``finished_recving``, the next step's metadata asks the
+  worker to verify all the reserved blocks before that step's forward (the one that recomputes
+  the last prompt token into the last block);
+- synchronously (``ExampleConnector``): the request is scheduled in the same step with
+  ``num_computed_tokens`` past its local hits; the whole blocks below that were loaded by this
+  step's ``start_load_kv``, before the forward, and are verified in ``wait_for_save``. Such loads
+  never appear in ``finished_recving``.
+
+Failures go out through ``get_block_ids_with_load_errors`` in the step that checked them.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from engine_hooks.vllm.metadata import (
     ReserveJob,
     SealJob,
     SealWire,
+    VerifyJob,
 )
 
 _FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -59,6 +71,8 @@ class _Consumer:
     sealed_blocks: int
     reason: str = ""  # why the seals cannot be checked here, when they cannot
     reserved: bool = False
+    local_hits: int = 0  # blocks from decode's own prefix cache, before the reserved ones
+    loading: bool = False  # reserved blocks that a transport fills (async, or sync and seen)
 
 
 def _blocks(group_block_ids: Any) -> list[int] | None:
@@ -80,7 +94,7 @@ class SchedulerSide:
         self.arrived: dict[str, dict[str, SealWire]] = {}  # seals before request_finished
         self.seal_jobs: list[SealJob] = []
         self.reserve_jobs: list[ReserveJob] = []
-        self.verify: list[str] = []
+        self.verify: list[VerifyJob] = []
         self.release: list[str] = []
         self.skips: list[str] = []  # reasons, drained into counters by the connector
 
@@ -89,19 +103,28 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params or {}
         rid = request.request_id
+        wire = params.get(PARAMS_KEY)
         if params.get("do_remote_decode"):
             self.producers[rid] = _Producer(int(request.num_prompt_tokens))
-        elif params.get("do_remote_prefill"):
-            wire = params.get(PARAMS_KEY)
+        elif params.get("do_remote_prefill") or isinstance(wire, dict):
+            # A transport that loads synchronously (shared storage) sets no do_remote_prefill:
+            # prefill's kvwatch key alone says the KV comes from another engine.
             consumer = _Consumer(None, 0)
             if isinstance(wire, dict) and isinstance(wire.get("seals"), dict):
                 consumer.seals = {str(k): dict(v) for k, v in wire["seals"].items()}
                 consumer.sealed_blocks = int(wire.get("blocks", 0))
-                if wire.get("tp") != self.tp_size:
+                if wire.get("v") != WIRE_VERSION:
+                    consumer.reason = "other"  # a prefill kvwatch of another wire version
+                elif wire.get("tp") != self.tp_size:
                     consumer.reason = "other"  # each rank sealed its own shard of the heads
                 elif wire.get("block_size") != self.block_size:
                     consumer.reason = "unsupported_layout"
             self.consumers[rid] = consumer
+
+    def local_hit(self, request: Any, num_computed_tokens: int) -> None:
+        consumer = self.consumers.get(request.request_id)
+        if consumer is not None and not consumer.reserved:
+            consumer.local_hits = int(num_computed_tokens) // self.block_size
 
     def update_state_after_alloc(self, request: Any, blocks: Any) -> None:
         consumer = self.consumers.get(request.request_id)
@@ -112,22 +135,21 @@ class SchedulerSide:
         if len(groups) != 1:
             self.skips.append("unsupported_layout")
             return
-        own = [b for b in groups[0] if not b.is_null]
-        local = [b for b in own if b.block_hash is not None]
-        loaded = [b.block_id for b in own if b.block_hash is None]
+        # Past decode's own prefix hits, every block is for KV from elsewhere or this engine's
+        # forward; a synchronous load has already hashed the blocks it will fill.
+        own = [b.block_id for b in groups[0] if not b.is_null]
+        loaded = own[consumer.local_hits :]
         if not loaded:
             return
         reason = consumer.reason
         if consumer.seals is None:
             reason = "no_seal"
-        elif local and not reason:
-            reason = "other"  # decode's own prefix hit: the seal covers blocks not transferred
         self.reserve_jobs.append(
             ReserveJob(
                 request.request_id,
                 loaded,
                 consumer.seals,
-                len(local),
+                consumer.local_hits,
                 consumer.sealed_blocks,
                 reason,
             )
@@ -136,7 +158,10 @@ class SchedulerSide:
     def track(self, scheduler_output: Any) -> None:
         """Follow producer requests' blocks; queue a seal when a step completes the prompt."""
         scheduled = scheduler_output.num_scheduled_tokens
+        reserved_now = {job.request_id for job in self.reserve_jobs}
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in reserved_now:
+                self._loaded_in_step(new.req_id, int(new.num_computed_tokens))
             producer = self.producers.get(new.req_id)
             if producer is not None:
                 producer.block_ids = _blocks(new.block_ids) or []
@@ -154,6 +179,20 @@ class SchedulerSide:
                 else:
                     producer.block_ids.extend(ids)
             self._maybe_seal(rid, producer, cached.num_computed_tokens[index], scheduled)
+
+    def _loaded_in_step(self, rid: str, computed: int) -> None:
+        """A reserved request scheduled in the step that reserved it: its transport (if any)
+        loads synchronously, in this step's ``start_load_kv``, the whole blocks it counted as
+        computed past decode's own hits. The forward writes only past them."""
+        consumer = self.consumers.get(rid)
+        if consumer is None or consumer.loading:
+            return
+        loaded = computed // self.block_size - consumer.local_hits
+        if loaded <= 0:  # nothing came from another engine: nothing to check
+            self.release.append(rid)
+            return
+        consumer.loading = True
+        self.verify.append(VerifyJob(rid, loaded, after_forward=True))
 
     def _maybe_seal(
         self, rid: str, producer: _Producer, computed: int, scheduled: dict[str, int]
@@ -211,13 +250,19 @@ class SchedulerSide:
                 elif rid in self.producers:
                     self.arrived.setdefault(rid, {}).update(seals)
         for rid in output.finished_recving or ():
-            if rid in self.consumers and self.consumers[rid].reserved:
-                self.verify.append(rid)
+            consumer = self.consumers.get(rid)
+            if consumer is not None and consumer.reserved and not consumer.loading:
+                consumer.loading = True
+                self.verify.append(VerifyJob(rid))
         # A slot that was handed out this step and is still empty will not be filled later.
         self.slots.clear()
 
     def build(self, scheduler_output: Any) -> KVWatchMetadata:
         self.track(scheduler_output)
+        # A request that finished (was aborted) after its load completed and before this step
+        # has given its blocks back: there is nothing of its own left to check.
+        gone = set(self.release)
+        self.verify = [job for job in self.verify if job.request_id not in gone]
         meta = KVWatchMetadata(
             events=self.ledger.drain(),
             seal=self.seal_jobs,

@@ -1,22 +1,35 @@
 """The worker half of the kvwatch connector: the detectors on vLLM's own KV tensors.
 
-Per step, in ``start_load_kv`` (before the forward reads or writes any KV): mirror the block
-pool's allocations and frees (free canaries, page tags), stamp and tag blocks reserved for a
-remote load, and verify loads the scheduler saw finish. In ``wait_for_save`` (after the forward
-wrote the KV): seal the blocks of prompts that completed this step. Mismatches in enforce mode
-become ``get_block_ids_with_load_errors``, which vLLM's ``kv_load_failure_policy`` turns into an
-error for the request (``fail``, the default) or a local recompute (``recompute``).
+vLLM's model runners (``KVConnectorModelRunnerMixin`` and, in the V2 runner,
+``v1/worker/gpu/kv_connector.py``) call, per step: ``bind_connector_metadata``, then the forward,
+with ``start_load_kv`` *before* it only when the step has a synchronous load
+(``has_sync_kv_loads``) and *after* it otherwise, then ``wait_for_save``,
+``get_block_ids_with_load_errors`` and ``build_connector_worker_meta``. ``start_load_kv`` is
+therefore no place for anything that must precede the forward. So:
+
+- :meth:`WorkerSide.bind` (``bind_connector_metadata``, always before the forward and before
+  every connector's ``start_load_kv``): mirror the block pool's allocations and frees (check and
+  stamp free canaries), stamp and tag the blocks reserved for another engine's KV, and verify
+  the asynchronous loads that finished in earlier steps, before this step's forward recomputes
+  the last prompt token into the last block;
+- :meth:`WorkerSide.save` (``wait_for_save``, after the forward): verify the synchronous loads
+  of this step (their whole loaded blocks, which the forward does not write), and seal the
+  prompts that completed this step.
+
+Mismatches in enforce mode become ``get_block_ids_with_load_errors`` of the same step, which
+vLLM's ``kv_load_failure_policy`` turns into an error for the request (``fail``, the default) or
+a local recompute (``recompute``); vLLM discards the step's output for that request.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine_hooks import KVWatch, PagedKVPool, Seal, Ticket, Verdict
-from engine_hooks.vllm.metadata import KVWatchMetadata, KVWatchWorkerMetadata, ReserveJob
+from engine_hooks.vllm.metadata import KVWatchMetadata, KVWatchWorkerMetadata, ReserveJob, VerifyJob
 
 
 @dataclass(slots=True)
@@ -38,15 +51,16 @@ class WorkerSide:
         self._resolved_at = time.monotonic()
         self.tickets: dict[str, _Pending] = {}
         self.to_seal: list[tuple[str, list[int]]] = []
-        self.seals: dict[str, dict[str, dict[str, int]]] = {}
+        self.after_forward: list[VerifyJob] = []
+        self.seals: dict[str, dict[str, dict[str, object]]] = {}
         self.load_errors: set[int] = set()
         self.verdicts: list[Verdict] = []  # every mismatch seen, for logs and tests
         # Block 0 is vLLM's null block: never allocated, freed or read. Everything else starts
         # on the free list.
         watch.on_free(range(1, pool.num_pages))
 
-    def start(self, meta: KVWatchMetadata) -> None:
-        """Before the forward: block events, reservations, verifications."""
+    def bind(self, meta: KVWatchMetadata) -> None:
+        """Before the forward and every load: block events, reservations, finished loads."""
         self._resolve()
         for event in meta.events:
             if event.kind == "alloc":
@@ -63,30 +77,39 @@ class WorkerSide:
             # The transport writes with RDMA, outside CUDA stream order: the reserved stamps
             # must be in memory before this step's load starts. Once per step with new loads.
             torch.cuda.current_stream(self.pool.device).synchronize()
-        for rid in meta.verify:
-            self.verify(rid)
+        for verify in meta.verify:
+            if verify.after_forward:
+                self.after_forward.append(verify)
+            else:
+                self.verify(verify)
         for rid in meta.release:
             self.tickets.pop(rid, None)
         self.to_seal.extend((job.request_id, job.block_ids) for job in meta.seal)
 
-    def verify(self, rid: str) -> list[Verdict]:
-        pending = self.tickets.pop(rid, None)
+    def verify(self, job: VerifyJob) -> list[Verdict]:
+        pending = self.tickets.pop(job.request_id, None)
         if pending is None:
             return []
-        ticket, job = pending.ticket, pending.job
-        seal = self._seal_for(job)
+        ticket, reserve = pending.ticket, pending.job
+        count = ticket.page_count if job.blocks is None else min(job.blocks, ticket.page_count)
+        # The delivered run of the reservation; the rest of the ticket (its request) as it is.
+        ticket = replace(ticket, pages=ticket.pages[:count], tags=ticket.tags[:count])
+        ticket._as_tensors = None
+        seal = self._seal_for(reserve, count)
         # NIXL does not carry page tags, so the write is recorded when its completion is seen:
         # the tag check then catches a block reallocated between reservation and this read.
         self.pool.mark_written(ticket.pages, ticket.tags)
         verdicts = self.watch.verify_admit(ticket, seal)
         self._record(verdicts)
-        held: list[int] = [int(b) for b in job.block_ids]
+        held = [int(b) for b in ticket.pages]
         for verdict in verdicts:
             if verdict.blocks:  # enforce: vLLM fails (or recomputes) the request
                 self.load_errors.update(verdict.pages or held)
         return verdicts
 
-    def _seal_for(self, job: ReserveJob) -> Seal | None:
+    def _seal_for(self, job: ReserveJob, count: int) -> Seal | None:
+        """The seal of the blocks the transport delivered: the sealed blocks from decode's own
+        prefix hits on, as many as were loaded."""
         if job.reason:
             if job.reason != "no_seal":  # verify_admit counts no_seal itself
                 self.watch.stats.skipped("checksum", job.reason)
@@ -99,17 +122,31 @@ class WorkerSide:
             # Prefill's pages are laid out or typed differently: its digest cannot match.
             self.watch.stats.skipped("checksum", "unsupported_layout")
             return None
-        return Seal.from_wire(wire)
+        seal = Seal.from_wire(wire)
+        if job.block_ids and count == len(job.block_ids):
+            # Everything reserved was loaded: the seal must end where the reservation ends, so
+            # a block count that differs is a finding, not a shorter check.
+            return seal.run(job.local_hits, seal.page_count)
+        return seal.run(job.local_hits, count)
 
     def save(self) -> None:
-        """After the forward: seal the prompts that completed this step."""
-        jobs, self.to_seal = self.to_seal, []
-        for rid, block_ids in jobs:
-            seal = self.watch.seal(rid, block_ids)
+        """After the forward: verify this step's synchronous loads, seal completed prompts."""
+        jobs, self.after_forward = self.after_forward, []
+        for job in jobs:
+            self.verify(job)
+        seals, self.to_seal = self.to_seal, []
+        for rid, block_ids in seals:
+            seal = self._seal(block_ids)
             if seal is not None:
                 wire = seal.to_wire() | {"page_bytes": self.pool.page_bytes}
                 self.seals.setdefault(rid, {})[self.rank] = wire
         self._resolve()
+
+    def _seal(self, block_ids: list[int]) -> Seal | None:
+        checksum = self.watch.checksum
+        if checksum is None or not checksum.active():
+            return None
+        return checksum.seal_pages(block_ids)
 
     def _resolve(self) -> None:
         now = time.monotonic()

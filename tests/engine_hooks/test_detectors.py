@@ -67,6 +67,33 @@ def test_late_write_into_free_page(pair: Pair) -> None:
     assert verdicts[0].pages == (victim,)
 
 
+def test_late_write_into_free_page_is_logged_not_enforced() -> None:
+    """The page's next owner rewrites it before any read and the late writer is gone: nothing
+    can be failed, so even in enforce mode the finding never claims to block."""
+    pair = Pair.build("vllm", torch.bfloat16, mode=Mode.ENFORCE)
+    pages, _, _ = pair.clean_request("aborted", 4)
+    pair.free("decode", pages)
+    pair.dpool.page(pages[1])[0][:64].fill_(0x11)
+    pair.decode_free.remove(pages[1])
+    (verdict,) = pair.decode.on_alloc([pages[1]], "next-owner")
+    assert verdict.kind == "write_to_free_page" and not verdict.blocks
+
+
+def test_per_page_seal_checks_any_run_and_names_the_bad_page(pair: Pair) -> None:
+    dst, ticket = pair.reserve("runs", 5)
+    pair.prefill_write("runs", dst, ticket)
+    checksum = pair.decode.checksum
+    assert checksum is not None
+    seal = checksum.seal_pages(dst)
+    assert Seal.from_wire(seal.to_wire()) == seal
+    assert checksum.verify("runs", dst[1:4], seal.run(1, 3)).ok
+    pair.dpool.page(dst[2])[-1][-1] ^= 0x01
+    verdict = checksum.verify("runs", dst[1:4], seal.run(1, 3))
+    assert (verdict.kind, verdict.pages) == ("digest", (dst[2],))
+    assert checksum.verify("runs", dst[3:], seal.run(3, 9)).ok  # a run past the end: shorter
+    assert checksum.verify("runs", dst, seal.run(1, 9)).kind == "page_count"
+
+
 def test_flipped_bit_in_transfer(pair: Pair) -> None:
     dst, ticket = pair.reserve("flip", 5)
     _, seal = pair.prefill_write("flip", dst, ticket)

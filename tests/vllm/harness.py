@@ -1,16 +1,29 @@
-"""Two vLLM engine halves (prefill and decode) around the kvwatch connector, on CPU.
+"""Prefill and decode vLLM engines, in process, stepped by vLLM's own code.
 
-Everything here is vLLM's own: ``VllmConfig``/``KVTransferConfig``, ``KVConnectorFactory``,
-``KVCacheConfig`` and ``allocate_kv_cache`` (the per-layer views exactly as the GPU model runner
-lays them out), ``BlockPool`` and ``KVCacheBlocks``, ``Request``, ``SchedulerOutput``,
-``KVConnectorOutput``. The one stand-in is the transport: :func:`transfer` copies block pages from
-the prefill tensors into the decode tensors, which is what NIXL's RDMA reads do on GPUs.
+Per engine: vLLM's real ``Scheduler`` (its ``KVCacheManager``, ``BlockPool``, prefix caching on,
+and the request block hasher ``EngineCore`` installs whenever a connector is configured) and the
+worker side stepped by vLLM's own model-runner connector functions: the V1 runner's
+``KVConnectorModelRunnerMixin.maybe_get_kv_connector_output`` / ``kv_connector_no_forward``, or
+the V2 runner's ``ActiveKVConnector`` (``pre_forward``, ``finish_forward``, ``post_forward``,
+``no_forward``). They decide whether ``start_load_kv`` runs before or after the forward, from
+the ``has_sync_kv_loads`` the scheduler set. The connector is vLLM's ``MultiConnector`` over the
+kvwatch connector and a transport: :class:`transport.AsyncTransport` (loads asynchronously, as
+NIXL) or vLLM's ``ExampleConnector`` (shared storage, loads synchronously).
+
+The one stand-in is the model: :meth:`Node.forward` writes, for every scheduled token, a KV
+vector that is a function of the token prefix (what attention layers write), layer by layer
+through vLLM's ``maybe_transfer_kv_layer`` (so connectors' ``wait_for_layer_load`` and
+``save_kv_layer`` run as inside the model), and samples a token from the prefix. Decode's forward
+can differ from prefill's in the last bit (``recompute_differs``), as a GPU's can when it
+recomputes a token in a different batch shape.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,17 +31,16 @@ from typing import Any
 import torch
 from transformers import LlamaConfig
 from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
-    MultiKVConnectorMetadata,
-    MultiKVConnectorWorkerMetadata,
-)
-from vllm.forward_context import ForwardContext
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -37,15 +49,25 @@ from vllm.v1.kv_cache_interface import (
     compute_layout_strides,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from engine_hooks.vllm import KVWatchConnector
+from engine_hooks.vllm.worker import WorkerSide
+
 BLOCK_SIZE = 4
-NUM_BLOCKS = 32
+NUM_BLOCKS = 64
 LAYERS = 3
+VOCAB = 128
 MODULE = "engine_hooks.vllm"
 MAX_MODEL_LEN = 2048
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+RUNNERS = ("v1", "v2")
+TRANSPORTS = ("async", "sync")
 
 
 def tiny_model(directory: Path) -> str:
@@ -56,29 +78,30 @@ def tiny_model(directory: Path) -> str:
         num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=128,
+        vocab_size=VOCAB,
         max_position_embeddings=4096,
     ).save_pretrained(directory)
     return str(directory)
 
 
-def kv_cache_config(layout: KVCacheLayout = KVCacheLayout.LBHNC) -> KVCacheConfig:
+def kv_cache_config(
+    layout: KVCacheLayout = KVCacheLayout.LBHNC, num_blocks: int = NUM_BLOCKS
+) -> KVCacheConfig:
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.bfloat16
     )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     # vLLM's own placement of L layers x B blocks in one backing buffer for this layout.
-    strides = compute_layout_strides(spec, NUM_BLOCKS, LAYERS, layout)
+    strides = compute_layout_strides(spec, num_blocks, LAYERS, layout)
     tensor = KVCacheTensor(
-        size=spec.page_size_bytes * NUM_BLOCKS * LAYERS,
-        layers=names,
+        size=spec.page_size_bytes * num_blocks * LAYERS,
+        layers=NAMES,
         layer_stride=strides[0],
         block_stride=strides[1],
     )
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)],
     )
 
 
@@ -91,155 +114,321 @@ def kvwatch_child(role: str, spool: str, mode: str) -> dict[str, Any]:
     }
 
 
+def transport_child(transport: str, role: str, link: str, engine: str) -> dict[str, Any]:
+    if transport == "async":
+        return {
+            "kv_connector": "AsyncTransport",
+            "kv_connector_module_path": "transport",
+            "kv_role": role,
+            "kv_connector_extra_config": {"link": link, "engine": engine},
+        }
+    if transport == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": role}
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": link},
+    }
+
+
 def vllm_config(
-    role: str, spool: str, mode: str, sibling: str | None = None, model: str | None = None
+    children: list[dict[str, Any]],
+    role: str,
+    model: str | None = None,
+    num_blocks: int = NUM_BLOCKS,
+    multi: bool | None = None,
+    policy: str = "fail",
 ) -> VllmConfig:
-    if sibling is None:
-        ktc = KVTransferConfig(**kvwatch_child(role, spool, mode))
+    if not (len(children) > 1 if multi is None else multi):
+        ktc = KVTransferConfig(**children[0])
     else:
-        children = [kvwatch_child(role, spool, mode), {"kv_connector": sibling, "kv_role": role}]
-        if sibling == "ExampleConnector":
-            children[1]["kv_connector_extra_config"] = {"shared_storage_path": spool + "/example"}
         ktc = KVTransferConfig(
             kv_connector="MultiConnector",
             kv_role=role,
             kv_connector_extra_config={"connectors": children},
+            kv_load_failure_policy=policy,
         )
     extra: dict[str, Any] = {}
     if model is not None:
         extra["model_config"] = ModelConfig(
             model=model, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
         )
-    return VllmConfig(kv_transfer_config=ktc, device_config=DeviceConfig(device="cpu"), **extra)
+    config = VllmConfig(kv_transfer_config=ktc, device_config=DeviceConfig(device="cpu"), **extra)
+    config.cache_config.block_size = BLOCK_SIZE
+    config.cache_config.num_gpu_blocks = num_blocks
+    config.cache_config.enable_prefix_caching = True
+    return config
+
+
+class _Layer:
+    """What ``get_attention_context`` reads from an attention layer: its KV cache view."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+
+@maybe_transfer_kv_layer
+def _attention(layer_name: str, node: Node, writes: list[tuple[int, int, int, bool]]) -> None:
+    """One attention layer's KV writes: ``(block, offset, key, recomputed)`` per token."""
+    view = node.kv[layer_name]
+    salt = NAMES.index(layer_name) + 1
+    for block, offset, key, recomputed in writes:
+        slot = view[block, :, offset]
+        values = (torch.arange(slot.numel()) * salt + key % 9973) % 251
+        slot.copy_((values.to(torch.float32) / 16.0).reshape(slot.shape))
+        if recomputed and node.recompute_differs:
+            # The last bit of a value differs, as a GPU's recompute in another batch can.
+            first = slot.reshape(-1)[:1]  # a view: the first element is contiguous on its own
+            first.view(torch.int16).bitwise_xor_(1)
 
 
 @dataclass
-class Engine:
-    """One engine's scheduler (block pool + scheduler-side connector) and worker (KV tensors +
-    worker-side connector), stepped by hand the way ``Scheduler`` and the model runner do."""
+class Node:
+    """One engine: the real Scheduler, and its worker side stepped by vLLM's runner code."""
 
-    role: str
+    role: str  # kv_producer | kv_consumer
     spool: str
+    model: str
+    transport: str = "async"  # async | sync
+    link: str = ""
     mode: str = "enforce"
+    runner: str = "v1"  # v1: KVConnectorModelRunnerMixin; v2: gpu/kv_connector.ActiveKVConnector
+    num_blocks: int = NUM_BLOCKS
+    kvwatch_first: bool = True
+    recompute_differs: bool = False
+    policy: str = "fail"  # vLLM's kv_load_failure_policy
+    name: str = ""
     layout: KVCacheLayout = KVCacheLayout.LBHNC
-    sibling: str | None = None
-    model: str | None = None
-    requests: dict[str, Request] = field(default_factory=dict)
-    blocks: dict[str, list[Any]] = field(default_factory=dict)
-    matched: dict[str, tuple[int | None, bool]] = field(default_factory=dict)
+    finished: dict[str, Any] = field(default_factory=dict)  # rid -> final EngineCoreOutput
+    preempted: int = 0  # requests vLLM's scheduler preempted
 
     def __post_init__(self) -> None:
-        self.kcc = kv_cache_config(self.layout)
-        config = vllm_config(self.role, self.spool, self.mode, self.sibling, self.model)
-        self.sched = KVConnectorFactory.create_connector(
-            config, KVConnectorRole.SCHEDULER, self.kcc
+        self.name = self.name or self.role
+        children = [
+            kvwatch_child(self.role, self.spool, self.mode),
+            transport_child(self.transport, self.role, self.link, self.name),
+        ]
+        if not self.kvwatch_first:
+            children.reverse()
+        self.config = vllm_config(
+            children, self.role, self.model, self.num_blocks, policy=self.policy
         )
-        # NIXL's worker needs the NIXL library and a GPU: beside it, the worker half is kvwatch's
-        # alone, fed its own slot of MultiConnector's metadata, as MultiConnector's worker does.
-        self.split = self.sibling == "NixlConnector"
-        if self.split:
-            config = vllm_config(self.role, self.spool, self.mode, None, self.model)
-        self.work = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
-        self.pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE)
-        self.sched.bind_gpu_block_pool(self.pool)
+        self.kcc = kv_cache_config(self.layout, self.num_blocks)
+        self.scheduler = Scheduler(
+            self.config, self.kcc, StructuredOutputManager(self.config), BLOCK_SIZE
+        )
+        # EngineCore installs a block hasher on every request when a connector is configured.
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        self.worker = KVConnectorFactory.create_connector(
+            self.config, KVConnectorRole.WORKER, self.kcc
+        )
         self.kv = allocate_kv_cache(self.kcc, torch.device("cpu"), self.layout)
-        self.work.register_kv_caches(self.kv)
-        self.scheduled: dict[str, int] = {}
-        self.new: list[NewRequestData] = []
+        layers = self.config.compilation_config.static_forward_context
+        for name in NAMES:
+            layers[name] = _Layer(self.kv[name])
+        with self.active_connector():
+            if self.runner == "v2":
+                self.v2 = ActiveKVConnector(self.config, self.kv)
+            else:  # the V1 runner registers the caches itself
+                self.worker.register_kv_caches(self.kv)
 
-    # scheduler ------------------------------------------------------------------------------
-    def add(self, rid: str, prompt_tokens: int, params: dict[str, Any]) -> Request:
-        sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
-        request = Request(rid, list(range(prompt_tokens)), sampling, None)
-        self.requests[rid] = request
-        self.sched.on_new_request(request)
-        # As Scheduler does before allocating: MultiConnector picks the connector that loads.
-        self.matched[rid] = self.sched.get_num_new_matched_tokens(request, 0)
-        return request
+    # -- access ---------------------------------------------------------------------------------
+    def child(self, side: str) -> Any:
+        connector = self.scheduler.connector if side == "scheduler" else self.worker
+        return next(c for c in connector.sub_connectors if isinstance(c, KVWatchConnector))
 
-    def allocate(self, rid: str, schedule: bool = True) -> list[int]:
-        request = self.requests[rid]
-        count = -(-request.num_prompt_tokens // BLOCK_SIZE)
-        blocks = self.pool.get_new_blocks(count)
-        self.blocks[rid] = blocks
-        self.sched.update_state_after_alloc(request, KVCacheBlocks((blocks,)), 0)
-        ids = [b.block_id for b in blocks]
-        if schedule:
-            self.new.append(NewRequestData.from_request(request, (ids,)))
-            self.scheduled[rid] = request.num_prompt_tokens
-        return ids
+    @property
+    def kvwatch(self) -> WorkerSide:
+        worker = self.child("worker").worker
+        assert isinstance(worker, WorkerSide)
+        return worker
 
-    def step(self, forward: dict[str, int] | None = None) -> KVConnectorOutput:
-        """One engine step: build the metadata, run the worker hooks around a 'forward' that
-        writes ``forward[rid]`` (a seed) into that request's blocks, collect the output."""
-        output = SchedulerOutput.make_empty()
-        output.scheduled_new_reqs, self.new = self.new, []
-        output.scheduled_cached_reqs = CachedRequestData.make_empty()
-        output.num_scheduled_tokens, self.scheduled = self.scheduled, {}
-        output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
-        meta = self.sched.build_connector_meta(output)
-        if self.split:
-            assert isinstance(meta, MultiKVConnectorMetadata)
-            meta = meta.metadata[0]
-        self.work.bind_connector_metadata(meta)
-        self.work.start_load_kv(
-            ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+    def stat(self, *key: str) -> float:
+        watch = self.child("worker").watch
+        return float(watch.stats.get(*key))
+
+    def blocks(self, rid: str) -> list[int]:
+        (ids,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
+        return list(ids)
+
+    @contextmanager
+    def active_connector(self) -> Iterator[None]:
+        """This engine's worker connector as the process's KV transfer group (one per worker
+        process in vLLM; two engines share this process)."""
+        saved = kv_transfer_state._KV_CONNECTOR_AGENT
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        try:
+            yield
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = saved
+
+    # -- requests -------------------------------------------------------------------------------
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> None:
+        sampling = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params}
         )
-        for rid, seed in (forward or {}).items():
-            self.write(rid, seed)
-        self.work.wait_for_save()
-        worker_meta = self.work.build_connector_worker_meta()
-        if self.split and worker_meta is not None:
-            worker_meta = MultiKVConnectorWorkerMetadata((worker_meta, None))
-        result = KVConnectorOutput(
-            invalid_block_ids=self.work.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=worker_meta,
+        request = Request(rid, prompt, sampling, None, block_hasher=self.hasher)
+        self.scheduler.add_request(request)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+    # -- one engine step ------------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """schedule -> the runner's connector calls around the forward -> update_from_output.
+        Returns this step's outputs by request id."""
+        with self.active_connector():
+            out = self.scheduler.schedule()
+            self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
+            plan, sampled = self._plan(out)
+            if self.runner == "v2":
+                result = self._step_v2(out, plan, sampled)
+            else:
+                result = self._step_v1(out, plan, sampled)
+            engine_outputs = self.scheduler.update_from_output(out, result)
+        outputs = {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
+        for rid, output in outputs.items():
+            if output.finish_reason is not None:
+                self.finished[rid] = output
+        return outputs
+
+    def _step_v1(
+        self, out: SchedulerOutput, plan: dict[str, list[Any]], sampled: dict[str, list[int]]
+    ) -> ModelRunnerOutput:
+        if not out.total_num_scheduled_tokens:
+            return KVConnectorModelRunnerMixin.kv_connector_no_forward(out, self.config)
+        with (
+            set_forward_context(self._attn_metadata(), self.config, slot_mapping={}),
+            KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(out) as kv_output,
+        ):
+            self.forward(plan)
+        return self._output(out, sampled, kv_output)
+
+    def _step_v2(
+        self, out: SchedulerOutput, plan: dict[str, list[Any]], sampled: dict[str, list[int]]
+    ) -> ModelRunnerOutput:
+        if not out.total_num_scheduled_tokens:
+            return self.v2.no_forward(out)
+        with set_forward_context(self._attn_metadata(), self.config, slot_mapping={}):
+            self.v2.pre_forward(out)
+            self.forward(plan)
+            self.v2.finish_forward()
+            kv_output = self.v2.post_forward(out.finished_req_ids)
+        return self._output(out, sampled, kv_output)
+
+    def _attn_metadata(self) -> dict[str, Any]:
+        return {name: object() for name in NAMES}
+
+    def _output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], kv_output: Any
+    ) -> ModelRunnerOutput:
+        rids = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=rids,
+            req_id_to_index={rid: i for i, rid in enumerate(rids)},
+            sampled_token_ids=[sampled.get(rid, []) for rid in rids],
+            kv_connector_output=kv_output,
         )
-        self.work.clear_connector_metadata()
-        return result
 
-    def write(self, rid: str, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        for view in self.kv.values():
-            for block in self.blocks[rid]:
-                page = view[block.block_id]
-                page.copy_(torch.randn(page.shape, generator=gen).to(page.dtype))
+    def _plan(self, out: SchedulerOutput) -> tuple[dict[str, list[Any]], dict[str, list[int]]]:
+        """The scheduled tokens' KV slots and keys, and the sampled tokens, per request."""
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        writes: list[tuple[int, int, int, bool]] = []
+        sampled: dict[str, list[int]] = {}
+        for rid, count in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[rid]
+            tokens = request.all_token_ids
+            blocks = self.blocks(rid)
+            start = starts[rid]
+            key = 0
+            for pos in range(start + count):
+                key = zlib.crc32(tokens[pos].to_bytes(4, "little"), key)
+                if pos >= start:
+                    recomputed = pos < request.num_prompt_tokens
+                    writes.append((blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE, key, recomputed))
+            if start + count >= len(tokens):
+                sampled[rid] = [key % VOCAB]
+        return {name: writes for name in NAMES}, sampled
 
-    def finish(self, rid: str, output: KVConnectorOutput) -> dict[str, Any]:
-        """``update_from_output``: request_finished first, then update_connector_output; the
-        params then cross the proxy as JSON."""
-        request = self.requests[rid]
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        ids = [b.block_id for b in self.blocks[rid]]
-        delay, params = self.sched.request_finished_all_groups(request, (ids,))
-        assert delay is self.split  # NIXL holds prefill blocks until decode read them
-        self.sched.update_connector_output(output)
-        return dict(json.loads(json.dumps(params or {})))
-
-    def received(self, rid: str) -> KVConnectorOutput:
-        """The transport reports the load done (NIXL's finished_recving), then the next step
-        runs; returns that step's output (load errors included)."""
-        self.sched.update_connector_output(KVConnectorOutput(finished_recving={rid}))
-        return self.step()
-
-
-def transfer(src: Engine, rid: str, dst: Engine, skip: int | None = None) -> None:
-    """NIXL's part: copy each block's page, layer by layer, into the reader's blocks."""
-    for name, view in src.kv.items():
-        for index, (s, d) in enumerate(zip(src.blocks[rid], dst.blocks[rid], strict=True)):
-            if index != skip:
-                dst.kv[name][d.block_id].copy_(view[s.block_id])
+    def forward(self, plan: dict[str, list[Any]]) -> None:
+        for name in NAMES:
+            _attention(name, self, plan[name])
 
 
-def prefill_then_reserve(
-    prefill: Engine, decode: Engine, rid: str, tokens: int = 10
-) -> dict[str, Any]:
-    """Prefill computes and seals ``rid``; decode admits it and reserves blocks for the load."""
-    prefill.add(rid, tokens, {"do_remote_decode": True})
-    prefill.allocate(rid)
-    out = prefill.step({rid: zlib.crc32(rid.encode())})
-    params = prefill.finish(rid, out)
-    decode.add(rid, tokens, {"do_remote_prefill": True, **params})
-    decode.allocate(rid, schedule=False)
-    decode.step()  # stamps and tags the reserved blocks before the load starts
-    return params
+def proxy(params: dict[str, Any] | None) -> dict[str, Any]:
+    """What a PD proxy does with prefill's kv_transfer_params: JSON to the client and back."""
+    return dict(json.loads(json.dumps(params or {})))
+
+
+@dataclass
+class Pair:
+    """A prefill and a decode engine joined by one transport, and the proxy between them."""
+
+    prefill: Node
+    decode: Node
+
+    def send(self, rid: str, prompt: list[int], max_tokens: int = 4) -> None:
+        self.prefill.add(rid, prompt, 1, {"do_remote_decode": True})
+
+    def step(self) -> None:
+        """One step of each engine; prefill's finished requests go on to decode."""
+        for rid, output in self.prefill.step().items():
+            if output.finish_reason is not None and output.kv_transfer_params is not None:
+                self.decode.add(
+                    rid,
+                    self.prompts[rid],
+                    self.max_tokens.get(rid, 4),
+                    proxy(output.kv_transfer_params),
+                )
+        self.decode.step()
+
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    max_tokens: dict[str, int] = field(default_factory=dict)
+
+    def serve(self, rid: str, prompt: list[int], max_tokens: int = 4) -> None:
+        self.prompts[rid] = prompt
+        self.max_tokens[rid] = max_tokens
+        self.send(rid, prompt, max_tokens)
+
+    def run(self, limit: int = 200) -> None:
+        """Step until every request sent has finished on decode (or was never handed over)."""
+        for _ in range(limit):
+            self.step()
+            if self.idle():
+                return
+        raise AssertionError("requests did not finish")
+
+    def idle(self) -> bool:
+        for node in (self.prefill, self.decode):
+            if node.scheduler.has_unfinished_requests() or node.scheduler.has_finished_requests():
+                return False
+        return True
+
+
+def pair(
+    tmp_path: Path,
+    model: str,
+    transport: str = "async",
+    mode: str = "enforce",
+    runner: str = "v1",
+    **decode_kw: Any,
+) -> Pair:
+    """Prefill and decode engines in ``mode``, joined by ``transport``."""
+    from transport import new_link
+
+    link = new_link() if transport == "async" else str(tmp_path / "storage")
+    common = {
+        "spool": str(tmp_path / "spool"),
+        "model": model,
+        "transport": transport,
+        "link": link,
+        "mode": mode,
+        "runner": runner,
+    }
+    prefill = Node("kv_producer", name="prefill", **common)
+    decode = Node("kv_consumer", name="decode", recompute_differs=True, **common | decode_kw)
+    return Pair(prefill, decode)

@@ -1,21 +1,18 @@
-"""The kvwatch connector against the real vLLM 0.33.0 release, on CPU."""
+"""The kvwatch connector's contract with vLLM: factory, capabilities, layouts, aggregation."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import vllm
 from harness import (
-    BLOCK_SIZE,
-    MAX_MODEL_LEN,
-    NUM_BLOCKS,
-    Engine,
+    Node,
     kv_cache_config,
-    prefill_then_reserve,
-    tiny_model,
-    transfer,
+    kvwatch_child,
+    transport_child,
     vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -25,200 +22,106 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from engine_hooks.testing import read_spool
 from engine_hooks.vllm import KVWatchConnector
 from engine_hooks.vllm.metadata import KVWatchWorkerMetadata
 
+SUPPORTED = ("0.32.0", "0.33.0")
+
 
 def test_real_release() -> None:
-    assert vllm.__version__ == "0.33.0"
+    assert vllm.__version__ in SUPPORTED
     assert torch.__version__.startswith("2.13.0")
+
+
+def _config(tmp_path: Path, role: str, sibling: str | None, model: str | None = None) -> Any:
+    children = [kvwatch_child(role, str(tmp_path), "log")]
+    if sibling is not None:
+        children.append(transport_child(sibling, role, str(tmp_path / "storage"), "e"))
+    return vllm_config(children, role, model)
 
 
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
 def test_factory_creates_it_alone(tmp_path: Path, role: KVConnectorRole) -> None:
-    config = vllm_config("kv_producer", str(tmp_path), "log")
+    config = _config(tmp_path, "kv_producer", None)
     connector = KVConnectorFactory.create_connector(config, role, kv_cache_config())
     assert isinstance(connector, KVWatchConnector)
     assert supports_hma(connector)
     assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
     assert KVWatchConnector.get_required_kvcache_layout(config) is None
-    assert connector.get_num_new_matched_tokens(object(), 0) == (0, False)
 
 
-def test_factory_creates_it_beside_nixl(tmp_path: Path) -> None:
-    """Scheduler role beside the real NixlConnector (its worker needs the NIXL library and a
-    GPU); kvwatch changes nothing about NIXL's layout or HMA requirements."""
-    config = vllm_config("kv_consumer", str(tmp_path), "log", sibling="NixlConnector")
+def test_factory_creates_it_beside_nixl(tmp_path: Path, model: str) -> None:
+    """Scheduler role beside the real NixlConnector (its worker needs the NIXL library)."""
+    config = _config(tmp_path, "kv_consumer", "nixl", model)
     connector = KVConnectorFactory.create_connector(
         config, KVConnectorRole.SCHEDULER, kv_cache_config()
     )
     assert isinstance(connector, MultiConnector)
     names = [type(c).__name__ for c in connector.sub_connectors]
     assert names[0] == "KVWatchConnector" and names[1].startswith("Nixl")
-    nixl_layout = KVConnectorFactory.get_connector_class_by_name(
-        "NixlConnector"
-    ).get_required_kvcache_layout(config)
-    assert MultiConnector.get_required_kvcache_layout(config) == nixl_layout
 
 
-@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
-def test_factory_creates_it_as_multiconnector_child(tmp_path: Path, role: KVConnectorRole) -> None:
-    config = vllm_config("kv_both", str(tmp_path), "log", sibling="ExampleConnector")
-    connector = KVConnectorFactory.create_connector(config, role, kv_cache_config())
-    assert isinstance(connector, MultiConnector)
-    assert isinstance(connector.sub_connectors[0], KVWatchConnector)
-
-
-@pytest.fixture(scope="session")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def pair(tmp_path: Path, model: str) -> tuple[Engine, Engine]:
-    return (
-        Engine("kv_producer", str(tmp_path), model=model),
-        Engine("kv_consumer", str(tmp_path), model=model),
-    )
-
-
-def test_seal_rides_in_kv_transfer_params(pair: tuple[Engine, Engine]) -> None:
-    prefill, decode = pair
-    params = prefill_then_reserve(prefill, decode, "r1")
-    wire = params["kvwatch"]
-    assert wire["v"] == 1 and wire["blocks"] == 3
-    assert set(wire["seals"]) == {"0"} and wire["seals"]["0"]["page_count"] == 3
-
-
-def test_clean_transfer_verifies(pair: tuple[Engine, Engine], tmp_path: Path) -> None:
-    prefill, decode = pair
-    prefill_then_reserve(prefill, decode, "clean")
-    transfer(prefill, "clean", decode)
-    out = decode.received("clean")
-    assert out.invalid_block_ids == set()
-    stats = decode.work.watch.stats
-    assert stats.get("verifications", "checksum") == 1
-    assert stats.get("verifications", "page_tag") == 1
-    assert stats.get("verifications", "canary") == 2  # free canary at alloc, reserved at admit
-    assert not decode.work.worker.verdicts
-
-
-def _caught(decode: Engine, rid: str, out: KVConnectorOutput) -> set[tuple[str, str]]:
-    ids = {b.block_id for b in decode.blocks[rid]}
-    assert out.invalid_block_ids and out.invalid_block_ids <= ids
-    return {(v.detector, v.kind or "") for v in decode.work.worker.verdicts}
-
-
-def test_flipped_byte_is_a_load_error(pair: tuple[Engine, Engine]) -> None:
-    prefill, decode = pair
-    prefill_then_reserve(prefill, decode, "flip")
-    transfer(prefill, "flip", decode)
-    view = next(iter(decode.kv.values()))
-    view[decode.blocks["flip"][1].block_id].view(torch.uint8).view(-1)[37] ^= 0x10
-    assert _caught(decode, "flip", decode.received("flip")) == {("checksum", "digest")}
-
-
-def test_missing_block_is_a_load_error(pair: tuple[Engine, Engine]) -> None:
-    prefill, decode = pair
-    prefill_then_reserve(prefill, decode, "miss")
-    transfer(prefill, "miss", decode, skip=2)
-    out = decode.received("miss")
-    caught = _caught(decode, "miss", out)
-    assert ("canary", "unwritten_page") in caught and ("checksum", "digest") in caught
-    assert decode.blocks["miss"][2].block_id in out.invalid_block_ids
-
-
-def test_block_reallocated_before_read_is_a_load_error(pair: tuple[Engine, Engine]) -> None:
-    prefill, decode = pair
-    prefill_then_reserve(prefill, decode, "stale")
-    transfer(prefill, "stale", decode)
-    # A stale reference: the block pool takes a block back and hands it to another request
-    # before the load was read.
-    victim = decode.blocks["stale"][0]
-    decode.pool.free_blocks([victim])
-    (thief,) = decode.pool.get_new_blocks(1)
-    assert thief.block_id == victim.block_id
-    out = decode.received("stale")
-    assert ("page_tag", "stale_tag") in _caught(decode, "stale", out)
-    assert victim.block_id in out.invalid_block_ids
-
-
-def test_log_mode_records_but_serves(tmp_path: Path) -> None:
-    prefill = Engine("kv_producer", str(tmp_path), mode="log")
-    decode = Engine("kv_consumer", str(tmp_path), mode="log")
-    prefill_then_reserve(prefill, decode, "logged")
-    transfer(prefill, "logged", decode, skip=0)
-    assert decode.received("logged").invalid_block_ids == set()
-    assert decode.work.worker.verdicts
-
-
-def test_block_outermost_layout(tmp_path: Path) -> None:
-    prefill = Engine("kv_producer", str(tmp_path), layout=KVCacheLayout.BLHNC)
-    decode = Engine("kv_consumer", str(tmp_path), layout=KVCacheLayout.BLHNC)
-    assert decode.work.worker.pool.page_bytes == decode.kcc.kv_cache_tensors[0].block_stride
-    prefill_then_reserve(prefill, decode, "blk")
-    transfer(prefill, "blk", decode)
-    assert decode.received("blk").invalid_block_ids == set()
-
-
-def test_unsupported_layout_is_counted_not_guessed(tmp_path: Path) -> None:
-    decode = Engine("kv_consumer", str(tmp_path), layout=KVCacheLayout.LHBNC)
-    assert decode.work.worker is None
-    assert decode.work.watch.stats.get("verifications_skipped", "checksum", "unsupported_layout")
-
-
-def test_through_multiconnector(tmp_path: Path) -> None:
-    """The same detections with kvwatch as a MultiConnector child (beside ExampleConnector, a
-    real connector that runs on CPU): metadata, worker metadata and load errors all pass through
-    MultiConnector's aggregation."""
-    prefill = Engine("kv_producer", str(tmp_path), sibling="ExampleConnector")
-    decode = Engine("kv_consumer", str(tmp_path), sibling="ExampleConnector")
-    prefill_then_reserve(prefill, decode, "multi")
-    transfer(prefill, "multi", decode, skip=1)
-    out = decode.received("multi")
-    assert decode.blocks["multi"][1].block_id in out.invalid_block_ids
-
-
-def test_beside_nixl_the_seal_joins_nixls_params(tmp_path: Path, model: str) -> None:
-    """Scheduler halves: real MultiConnector over kvwatch and the real NixlConnector. The seal
-    lands inside NIXL's kv_transfer_params (filled after request_finished), decode's NIXL takes
-    the load (kvwatch claims no tokens), and kvwatch still verifies and reports it."""
-    prefill = Engine("kv_producer", str(tmp_path), model=model, sibling="NixlConnector")
-    decode = Engine("kv_consumer", str(tmp_path), model=model, sibling="NixlConnector")
-    params = prefill_then_reserve(prefill, decode, "nixl")
-    assert params["do_remote_prefill"] is True and params["remote_block_ids"]
-    assert params["kvwatch"]["seals"]["0"]["page_count"] == len(params["remote_block_ids"][0])
-    assert decode.matched["nixl"] == (decode.requests["nixl"].num_prompt_tokens, True)
-    transfer(prefill, "nixl", decode, skip=0)
-    out = decode.received("nixl")
-    assert decode.blocks["nixl"][0].block_id in out.invalid_block_ids
-
-
-def test_records_land_in_the_spool(pair: tuple[Engine, Engine], tmp_path: Path) -> None:
-    prefill, decode = pair
-    prefill_then_reserve(prefill, decode, "spooled")
-    transfer(prefill, "spooled", decode, skip=1)
-    decode.received("spooled")
-    for engine in pair:
-        engine.work.shutdown()
-        engine.sched.shutdown()
-    contents = read_spool(tmp_path)
-    assert not sum(contents.errors.values())
-    events = contents.events(request_id="spooled")
-    assert {e["detector"] for e in events} >= {"canary", "checksum"}
-    assert all(e["action"] == "enforced" for e in events)
-    hellos = [r for r in contents.records if r["type"] == "hello"]
-    assert {(h["engine"], h["role"]) for h in hellos} >= {("vllm", "prefill"), ("vllm", "decode")}
-    assert {h["engine_version"] for h in hellos} == {"0.33.0"}
-    counters = contents.latest_counters()
-    assert counters["verifications"]
-    gauges = {g[0]: g[2] for r in contents.records if r["type"] == "gauges" for g in r["gauges"]}
-    assert gauges == {
-        "kv_pool_tokens": (NUM_BLOCKS - 1) * BLOCK_SIZE,
-        "context_length_tokens": MAX_MODEL_LEN,
-        "page_size_tokens": BLOCK_SIZE,
+# Every capability MultiConnector (0.32 and 0.33) aggregates over its children with all(), any(),
+# "the first non-None" or "all equal": adding kvwatch must leave each of them as it was.
+# (get_handshake_metadata and get_mem_pool_context, "the first non-None", are worker-side: kvwatch
+# keeps the base class's None.)
+def _capabilities(connector: Any, config: Any) -> dict[str, Any]:
+    ktc = config.kv_transfer_config
+    extra = ktc.kv_connector_extra_config
+    caps = {
+        "supports_divergent_local_hybrid_hits": connector.supports_divergent_local_hybrid_hits,
+        "requires_kv_delivery": connector.requires_kv_delivery,
+        "requires_piecewise_for_cudagraph": MultiConnector.requires_piecewise_for_cudagraph(extra),
+        "all_children_support_hma": MultiConnector.all_children_support_hma(ktc),
+        "required_kvcache_layout": MultiConnector.get_required_kvcache_layout(config),
+        "finished_count": connector.get_finished_count(),
+        "has_pending_block_frees": connector.has_pending_block_frees(),
+        "has_pending_push_work": connector.has_pending_push_work(),
+        "reset_cache": connector.reset_cache(),
     }
+    if hasattr(MultiConnector, "supports_sleep_mode"):  # 0.33
+        caps["supports_sleep_mode"] = MultiConnector.supports_sleep_mode(ktc)
+    return caps
+
+
+@pytest.mark.parametrize(
+    ("sibling", "role"),
+    [
+        ("nixl", "kv_consumer"),
+        ("nixl", "kv_producer"),
+        ("sync", "kv_consumer"),
+        ("sync", "kv_producer"),
+        ("async", "kv_consumer"),
+    ],
+)
+def test_adding_kvwatch_changes_no_capability(
+    tmp_path: Path, model: str, sibling: str, role: str
+) -> None:
+    from transport import new_link
+
+    link = new_link() if sibling == "async" else str(tmp_path / "storage")
+    other = transport_child(sibling, role, link, "e")
+    caps = []
+    for children in ([other], [kvwatch_child(role, str(tmp_path), "log"), other]):
+        # MultiConnector over the transport, as deployed before kvwatch, then with kvwatch.
+        config = vllm_config(children, role, model, multi=True)
+        connector = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.SCHEDULER, kv_cache_config()
+        )
+        caps.append(_capabilities(connector, config))
+    assert caps[0] == caps[1]
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_kvwatch_answers_aggregates_with_their_neutral_value(tmp_path: Path, role: str) -> None:
+    """any() of False and all() of True leave MultiConnector's answer to the other children,
+    whatever they answer (vLLM's base class says a producer requires KV delivery)."""
+    config = _config(tmp_path, role, None)
+    connector = KVConnectorFactory.create_connector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config()
+    )
+    assert connector.requires_kv_delivery is False
+    assert connector.supports_divergent_local_hybrid_hits is True
 
 
 def test_seals_of_tp_ranks_merge_in_vllms_aggregator() -> None:
@@ -240,75 +143,40 @@ def test_seals_of_tp_ranks_merge_in_vllms_aggregator() -> None:
     assert meta.seals == {"r": {"0": seal0, "1": seal1}}
 
 
-def test_hooks_never_raise_into_the_engine(pair: tuple[Engine, Engine]) -> None:
-    _, decode = pair
-    decode.sched.update_state_after_alloc(object(), object(), 0)  # not a Request
-    assert decode.sched.request_finished_all_groups(object(), ([1],)) == (False, None)
-    decode.sched.bind_connector_metadata(object())
-    decode.work.bind_connector_metadata(object())  # not kvwatch metadata: ignored
-    decode.work.start_load_kv(None)
-    assert decode.sched.watch.stats.get("hook_errors", "reserve") >= 1
-    assert decode.sched.watch.stats.get("hook_errors", "seal") >= 1
+def test_hooks_never_raise_into_the_engine(tmp_path: Path, model: str) -> None:
+    node = Node("kv_consumer", str(tmp_path), model, transport="sync", link=str(tmp_path / "s"))
+    sched, work = node.child("scheduler"), node.child("worker")
+    sched.update_state_after_alloc(object(), object(), 0)  # not a Request
+    assert sched.get_num_new_matched_tokens(object(), 0) == (0, False)
+    assert sched.request_finished_all_groups(object(), ([1],)) == (False, None)
+    sched.bind_connector_metadata(object())
+    work.bind_connector_metadata(object())  # not kvwatch metadata: ignored
+    work.start_load_kv(None)
+    assert sched.watch.stats.get("hook_errors", "reserve") >= 1
+    assert sched.watch.stats.get("hook_errors", "seal") >= 1
 
 
-def test_late_write_into_a_freed_block(pair: tuple[Engine, Engine]) -> None:
-    """A write that lands after the block went back to vLLM's free list (an aborted transfer's
-    late RDMA write) is caught when the block pool hands the block out again."""
-    _, decode = pair
-    decode.add("gone", 8, {})
-    decode.allocate("gone", schedule=False)
-    decode.step()
-    freed = decode.blocks["gone"]
-    decode.pool.free_blocks(freed)
-    decode.step()  # the worker stamps free canaries on the freed blocks
-    decode.write("gone", 99)  # the late write
-    again = decode.pool.get_new_blocks(len(freed))
-    assert {b.block_id for b in again} == {b.block_id for b in freed}
-    decode.step()
-    kinds = {(v.detector, v.kind) for v in decode.work.worker.verdicts}
-    assert ("canary", "write_to_free_page") in kinds
+def test_block_outermost_layout(tmp_path: Path, model: str) -> None:
+    node = Node(
+        "kv_consumer",
+        str(tmp_path),
+        model,
+        transport="sync",
+        link=str(tmp_path / "s"),
+        layout=KVCacheLayout.BLHNC,
+    )
+    assert node.kvwatch.pool.page_bytes == node.kcc.kv_cache_tensors[0].block_stride
 
 
-def test_prefix_cached_blocks_are_never_stamped(pair: tuple[Engine, Engine]) -> None:
-    """A freed block that keeps a prefix-cache hash stays readable (a later hit reads it): no
-    canary may be written into it."""
-    prefill, _ = pair
-    prefill.add("cached", 8, {})
-    prefill.allocate("cached", schedule=False)
-    prefill.step({"cached": 5})
-    block = prefill.blocks["cached"][0]
-    before = [view[block.block_id].clone() for view in prefill.kv.values()]
-    block.set_block_hash(b"\x01" * 32)  # what cache_full_blocks does to a full block
-    prefill.pool.free_blocks([block])
-    prefill.step()
-    after = [view[block.block_id] for view in prefill.kv.values()]
-    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
-
-
-@pytest.mark.parametrize(
-    ("change", "reason"),
-    [
-        ({"tp": 2}, "other"),
-        ({"block_size": BLOCK_SIZE * 2}, "unsupported_layout"),
-        ({"seals": None}, "no_seal"),
-    ],
-)
-def test_seals_that_cannot_apply_are_skipped_with_a_reason(
-    tmp_path: Path, model: str, change: dict[str, object], reason: str
-) -> None:
-    prefill = Engine("kv_producer", str(tmp_path), model=model)
-    decode = Engine("kv_consumer", str(tmp_path), model=model)
-    prefill.add("r", 10, {"do_remote_decode": True})
-    prefill.allocate("r")
-    params = prefill.finish("r", prefill.step({"r": 1}))
-    params["kvwatch"].update(change)
-    if params["kvwatch"]["seals"] is None:
-        del params["kvwatch"]["seals"]
-    decode.add("r", 10, {"do_remote_prefill": True, **params})
-    decode.allocate("r", schedule=False)
-    decode.step()
-    transfer(prefill, "r", decode)
-    assert decode.received("r").invalid_block_ids == set()
-    stats = decode.work.watch.stats
-    assert stats.get("verifications_skipped", "checksum", reason) == 1
-    assert stats.get("verifications", "page_tag") == 1  # the other detectors still ran
+def test_unsupported_layout_is_counted_not_guessed(tmp_path: Path, model: str) -> None:
+    node = Node(
+        "kv_consumer",
+        str(tmp_path),
+        model,
+        transport="sync",
+        link=str(tmp_path / "s"),
+        layout=KVCacheLayout.LHBNC,
+    )
+    work = node.child("worker")
+    assert work.worker is None
+    assert work.watch.stats.get("verifications_skipped", "checksum", "unsupported_layout")

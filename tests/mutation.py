@@ -1,0 +1,130 @@
+"""Hook-mutation check: remove one engine hook at a time, run the adapter's tests, and require
+every such mutant to fail at least one of them (a hook no test misses is a hook no test checks).
+
+Each engine adapter lists its mutants in ``tests/<engine>/mutants.py``, whose ``mutants()``
+returns ``(name, argv)`` pairs: the hook removed and the command that runs the adapter's tests
+with it removed; the first pair is the baseline (nothing removed), which must pass. Usage::
+
+    <engine venv>/bin/python tests/mutation.py vllm
+
+Prints the table (mutant, tests failed, first failing test, killed) and exits non-zero when the
+baseline fails or any mutant survives.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "(none removed)"
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "tests":
+    # Run as a script: tests/ first on the path would shadow the repo's packages with the test
+    # directories of the same names (tests/engine_hooks).
+    sys.path[0] = str(ROOT)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str  # the hook removed; BASELINE for the unmutated run
+    argv: list[str]  # runs the tests with the hook removed; pytest's --junitxml is appended
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    failed: int
+    first: str
+    seconds: float
+    killed: bool
+
+
+def run(mutant: Mutant, timeout: float) -> Result:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                [*mutant.argv, f"--junitxml={report}"],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=timeout,
+                check=False,
+            )
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = None
+        seconds = time.monotonic() - start
+        failed, first = _failures(report)
+    if code is None:
+        return Result(mutant.name, failed, "(timed out)", seconds, True)
+    if code != 0 and not failed:
+        first = f"(pytest exit {code})"  # collection error, crash: the tests did not pass
+    return Result(mutant.name, failed, first, seconds, code != 0)
+
+
+def _failures(report: Path) -> tuple[int, str]:
+    if not report.exists():
+        return 0, ""
+    failed = [
+        # classname is the dotted module path; the test name may hold dots in its parameters.
+        f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name', '')}"
+        for case in ET.parse(report).getroot().iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return len(failed), (failed[0] if failed else "")
+
+
+def table(results: list[Result]) -> str:
+    rows = [("mutant", "tests failed", "first failing test", "seconds", "killed")]
+    for r in results:
+        killed = "-" if r.name == BASELINE else ("yes" if r.killed else "NO")
+        rows.append((r.name, str(r.failed), r.first or "-", f"{r.seconds:.0f}", killed))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def load(engine: str) -> list[Mutant]:
+    path = ROOT / "tests" / engine / "mutants.py"
+    spec = importlib.util.spec_from_file_location(f"{engine}_mutants", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"mutation: no {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    pairs: list[tuple[str, list[str]]] = module.mutants()
+    return [Mutant(name, argv) for name, argv in pairs]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: mutation.py ENGINE", file=sys.stderr)
+        return 2
+    mutants = load(argv[0])
+    results: list[Result] = []
+    for mutant in mutants:
+        result = run(mutant, timeout=900)
+        results.append(result)
+        print(f"mutation: {result.name}: {'killed' if result.killed else 'passed'}", flush=True)
+        if mutant.name == BASELINE and result.killed:
+            print(table(results))
+            print("mutation: the tests fail with nothing removed", file=sys.stderr)
+            return 1
+    print(table(results))
+    survivors = [r.name for r in results if r.name != BASELINE and not r.killed]
+    if survivors:
+        print(f"mutation: {len(survivors)} hook(s) removed with no test failing: {survivors}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""The vLLM half of the hook-mutation check (``tests/mutation.py vllm``).
+
+A mutant removes one method that the kvwatch connector overrides from vLLM's
+``KVConnectorBase_V1`` / ``SupportsHMA`` (scheduler and worker side alike; properties included)
+or from ``KVConnectorWorkerMetadata``, exactly as deleting it from the source would: the class
+then inherits vLLM's base method, and a removed abstract method leaves the class abstract. The
+list is read off the classes, so a new override joins the check by itself.
+
+Run as a script, it removes one method and runs the tests: ``mutants.py NAME -- PYTEST-ARGS``.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+from dataclasses import is_dataclass
+from pathlib import Path
+
+BASELINE = "(none removed)"  # tests/mutation.py's name for the unmutated run
+# The V1 runner path covers every hook; -x stops at the first failing test.
+TESTS = ["tests/vllm/test_connector.py", "tests/vllm/test_pd.py", "-x", "-q", "-k", "not v2"]
+
+
+def _classes() -> dict[str, tuple[type, tuple[type, ...]]]:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorWorkerMetadata,
+        SupportsHMA,
+    )
+
+    from engine_hooks.vllm import KVWatchConnector
+    from engine_hooks.vllm.metadata import KVWatchWorkerMetadata
+
+    return {
+        "KVWatchConnector": (KVWatchConnector, (KVConnectorBase_V1, SupportsHMA)),
+        "KVWatchWorkerMetadata": (KVWatchWorkerMetadata, (KVConnectorWorkerMetadata,)),
+    }
+
+
+def names() -> list[str]:
+    found = []
+    for label, (cls, bases) in _classes().items():
+        for attr in vars(cls):
+            # Dunders are class plumbing, except a hand-written constructor (a dataclass's is
+            # generated from its fields); _abc_impl is abc's.
+            plumbing = attr == "_abc_impl" or (
+                attr.startswith("__") and (attr != "__init__" or is_dataclass(cls))
+            )
+            if any(hasattr(base, attr) for base in bases) and not plumbing:
+                found.append(f"{label}.{attr}")
+    return sorted(found)
+
+
+def mutants() -> list[tuple[str, list[str]]]:
+    """(name, command) per mutant, the baseline (nothing removed) first."""
+    script = [sys.executable, str(Path(__file__).resolve())]
+    return [(name, [*script, name, "--", *TESTS]) for name in [BASELINE, *names()]]
+
+
+def apply(name: str) -> None:
+    label, attr = name.split(".", 1)
+    cls, _ = _classes()[label]
+    delattr(cls, attr)
+    abc.update_abstractmethods(cls)
+
+
+def main(argv: list[str]) -> int:
+    import pytest
+
+    name, args = argv[0], argv[argv.index("--") + 1 :]
+    if name != BASELINE:
+        apply(name)
+    return int(pytest.main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

