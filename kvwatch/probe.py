@@ -381,7 +381,9 @@ def add_parser(commands: Any) -> None:
         help="send the essay's marker test to a deployment you own",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  kvwatch probe --url http://127.0.0.1:8000 --from-logs prefill.log",
     )
+    parser.set_defaults(_parser=parser)
     parser.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8000")
     parser.add_argument("--api", choices=["sglang", "openai"], default="sglang")
     parser.add_argument("--model", help="model name for --api openai")
@@ -403,7 +405,23 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(func=main)
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``--url`` cannot be probed, or None."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"--url {url!r} is not an HTTP URL (expected e.g. http://127.0.0.1:8000)"
+    try:
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError:
+        return f"--url {url!r} has a bad port"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
+    problem = url_problem(args.url)
+    if problem:
+        print(f"kvwatch probe: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     if not is_loopback(args.url) and not args.i_own_this_deployment:
         print(
             f"kvwatch probe: refusing to probe {args.url}: it is not on loopback. Run it only "
@@ -411,10 +429,17 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    try:
+        target, pool = target_from_args(args)
+    except ProbeError as exc:  # no sizing given, or logs that do not size it: usage
+        print(f"kvwatch probe: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, ValueError) as exc:
+        print(f"kvwatch probe: --from-logs: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     progress = Progress(enabled=not args.json and sys.stderr.isatty())
     api = HttpApi(args.url, args.api, args.timeout, args.model)
     try:
-        target, pool = target_from_args(args)
         counter = load_tokenizer(args.tokenizer) if args.tokenizer else None
         report = run(
             api,

@@ -163,19 +163,19 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     config.write_text('listen = "nowhere"\n')
     result = kvwatch("daemon", "--config", str(config))
     assert result.returncode == 2
-    assert "listen must be HOST:PORT" in result.stderr
+    assert "listen: expected HOST:PORT or :PORT" in result.stderr
 
 
 def test_incidents_without_a_journal_is_a_clear_error(tmp_path: Path) -> None:
     result = kvwatch("incidents", "--journal", str(tmp_path / "none.db"))
-    assert result.returncode == 2
+    assert result.returncode == 1  # a runtime fault, not a usage error
     assert "no journal" in result.stderr
 
 
 def test_journal_path_that_is_a_directory_is_a_clear_error(tmp_path: Path) -> None:
     result = kvwatch("daemon", "--journal", str(tmp_path), "--spool-dir", str(tmp_path / "s"))
-    assert result.returncode == 2
-    assert result.stderr.startswith("kvwatch daemon:")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"kvwatch daemon: journal {tmp_path} is a directory")
 
 
 def test_port_in_use_is_a_clear_error(daemon: DaemonProcess, tmp_path: Path) -> None:
@@ -184,11 +184,11 @@ def test_port_in_use_is_a_clear_error(daemon: DaemonProcess, tmp_path: Path) -> 
         "--journal",
         str(tmp_path / "other.db"),
         "--spool-dir",
-        str(tmp_path / "spool"),
+        str(tmp_path / "other-spool"),
         "--listen",
         f"127.0.0.1:{daemon.port}",
         "--no-nvml",
     )
-    assert second.returncode == 2
+    assert second.returncode == 1
     assert "daemon.listen_failed" in second.stdout + second.stderr
     assert daemon.stop() == 0
