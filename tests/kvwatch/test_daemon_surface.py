@@ -1,0 +1,223 @@
+"""The running daemon as an operator meets it: its HTTP paths, its locks, its signals, its logs,
+and ``kvwatch status`` against it. Real processes, real sockets, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.kvwatch.daemonproc import REPO, DaemonProcess
+from tests.kvwatch.spoolgen import Producer
+from tests.kvwatch.test_daemon import samples
+
+
+def get(url: str, accept: str = "*/*") -> tuple[int, str, str]:
+    request = urllib.request.Request(url, headers={"Accept": accept})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.headers["Content-Type"], reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def kvwatch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvwatch.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        env={**os.environ, "NO_PROXY": "127.0.0.1", **(env or {})},
+    )
+
+
+def wait_until(predicate: object, timeout: float = 30.0) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def collector(daemon: DaemonProcess, name: str) -> float | None:
+    return samples(daemon.scrape(), "kvwatch_collector_success").get((("collector", name),))
+
+
+def test_http_paths(tmp_path: Path) -> None:
+    (tmp_path / "spool").mkdir()
+    daemon = DaemonProcess(tmp_path, "--no-nvml")
+    try:
+        port = daemon.wait_started()
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: get(base + "/-/ready")[0] == 200)
+        assert get(base + "/-/healthy")[0] == 200
+        status, kind, body = get(base + "/metrics")
+        assert status == 200 and "kvwatch_build_info" in body
+        status, kind, body = get(base + "/")
+        assert status == 200 and kind.startswith("text/html") and 'id="checks"' in body
+        status, kind, body = get(base + "/", accept="application/json")
+        assert status == 200 and kind == "application/json"
+        assert {c["name"] for c in json.loads(body)["checks"]} == {
+            "integrity", "unsafe_band", "coverage", "freshness",
+        }  # fmt: skip
+        for path in ("/healthz", "/nonexistent", "/metrics/x", "/index.html"):
+            status, _, body = get(base + path)
+            assert status == 404, path
+            assert "kvwatch_" not in body
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_colon_port_listens_on_every_interface(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--listen", ":0")
+    try:
+        daemon.wait_started()
+        started = next(e for e in daemon.events() if e.get("event") == "daemon.started")
+        assert str(started["listen"]).startswith("0.0.0.0:")
+        assert get(f"http://127.0.0.1:{daemon.port}/-/healthy")[0] == 200
+    finally:
+        daemon.stop()
+
+
+def test_second_daemon_on_the_same_journal_or_spool_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "spool").mkdir()
+    first = DaemonProcess(tmp_path, "--no-nvml")
+    try:
+        first.wait_started()
+        same_journal = kvwatch(
+            "daemon", "--journal", str(first.journal), "--spool-dir", str(tmp_path / "other"),
+            "--listen", "127.0.0.1:0", "--no-nvml",
+        )  # fmt: skip
+        assert same_journal.returncode == 1
+        assert same_journal.stderr.strip() == (
+            f"kvwatch daemon: another kvwatch daemon is using the journal {first.journal}; "
+            "stop it first (two daemons would record every incident twice)"
+        )
+        same_spool = kvwatch(
+            "daemon", "--journal", str(tmp_path / "other.db"), "--spool-dir", str(first.spool),
+            "--listen", "127.0.0.1:0", "--no-nvml",
+        )  # fmt: skip
+        assert same_spool.returncode == 1
+        assert f"another kvwatch daemon is using the spool folder {first.spool}" in (
+            same_spool.stderr
+        )
+    finally:
+        assert first.stop() == 0
+    # The lock goes with the process: a new daemon starts on the same files.
+    again = DaemonProcess(tmp_path, "--no-nvml", journal=first.journal)
+    try:
+        again.wait_started()
+    finally:
+        assert again.stop() == 0
+
+
+def test_sighup_is_logged_and_does_not_stop_the_daemon(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, "--no-nvml")
+    try:
+        port = daemon.wait_started()
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: any(e.get("event") == "daemon.sighup" for e in daemon.events()))
+        assert daemon.proc.poll() is None
+        assert get(f"http://127.0.0.1:{port}/-/healthy")[0] == 200
+    finally:
+        assert daemon.stop() == 0
+    assert any(e.get("event") == "daemon.stopping" for e in daemon.events())
+
+
+def test_missing_spool_and_log_are_loud_and_measured(tmp_path: Path) -> None:
+    log = tmp_path / "prefill.log"
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--log", f"prefill:sglang:{log}")
+    try:
+        port = daemon.wait_started()
+        wait_until(lambda: collector(daemon, "spool") == 0.0)
+        assert collector(daemon, "logs") == 0.0
+        events = {e.get("event"): e for e in daemon.events()}
+        assert events["spool.missing"]["level"] == "warning"
+        assert events["logs.missing"]["path"] == str(log)
+        _, _, body = get(f"http://127.0.0.1:{port}/", accept="application/json")
+        summary = json.loads(body)
+        assert summary["level"] == "warning"
+        assert "spool folder is missing" in summary["headline"]
+        daemon.spool.mkdir()
+        log.write_text("starting\n")
+        wait_until(lambda: collector(daemon, "spool") == 1.0 and collector(daemon, "logs") == 1.0)
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_status_command_against_the_daemon(tmp_path: Path) -> None:
+    (tmp_path / "spool").mkdir()
+    producer = Producer(tmp_path / "spool", role="prefill")
+    producer.append(producer.hello(), producer.gauges(681_280, 1_048_576))
+    daemon = DaemonProcess(tmp_path, "--no-nvml")
+    try:
+        port = daemon.wait_started()
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: "unsafe band" in get(url + "/", accept="application/json")[2])
+        plain = kvwatch("status", "--url", url)
+        assert plain.returncode == 3, plain.stderr  # warning
+        first = plain.stdout.splitlines()[0]
+        assert first.startswith("WARNING: ") and "\x1b[" not in plain.stdout
+        assert "unsafe band on prefill (sglang): prompts of 681,281 to 1,048,576" in plain.stdout
+        coloured = kvwatch("status", "--url", url, "--color", "always")
+        assert "\x1b[33m" in coloured.stdout
+        machine = kvwatch("status", "--url", url, "--json")
+        summary = json.loads(machine.stdout)
+        levels = {c["name"]: c["level"] for c in summary["checks"]}
+        assert levels["unsafe_band"] == "warning" and levels["integrity"] == "ok"
+        # The default URL comes from the config's listen (":PORT" is reached on loopback).
+        config = tmp_path / "kvwatch.toml"
+        config.write_text(f'listen = ":{port}"\n')
+        assert kvwatch("status", "--config", str(config)).returncode == 3
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_human_logs_on_request_and_json_otherwise(tmp_path: Path) -> None:
+    human = kvwatch(
+        "daemon", "--spool-dir", str(tmp_path / "s"), "--journal", str(tmp_path / "d"),
+        "--listen", "nowhere:1", "--log-format", "human", "--no-nvml",
+    )  # fmt: skip
+    # an address that does not resolve: a runtime fault, one human-readable line
+    assert human.returncode == 1, human.stderr
+    (line,) = [x for x in human.stderr.splitlines() if "[error" in x]
+    assert "daemon.listen_failed" in line and "listen=nowhere:1" in line
+    assert "Traceback" not in human.stderr
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--log-format", "human")
+    try:
+        deadline = time.monotonic() + 30
+        while "daemon.started" not in daemon.output():
+            assert time.monotonic() < deadline and daemon.proc.poll() is None, daemon.output()
+            time.sleep(0.05)
+        line = next(x for x in daemon.output().splitlines() if "daemon.started" in x)
+        assert not line.startswith("{") and "[info     ]" in line and "version=" in line
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_short_retention_with_confirmation_starts(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--retention", "30s", "--allow-short-retention")
+    try:
+        daemon.wait_started()
+    finally:
+        assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize("flag", ["--version"])
+def test_version_is_the_package_version(flag: str) -> None:
+    from importlib.metadata import version
+
+    from kvwatch import __version__
+
+    assert kvwatch(flag).stdout.strip() == f"kvwatch {__version__}"
+    assert version("kvwatch") == __version__
