@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test
+.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test dist
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ tools:
 	    exit 1; \
 	fi
 
+# The wheel (with the dashboards, rules and deploy files as package data) and the sdist, in dist/.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -64,4 +69,4 @@ bench: $(STAMP)
 	$(PY) bench/daemon.py
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
