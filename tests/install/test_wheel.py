@@ -14,65 +14,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvwatch import __version__, assets
-from tests.dashboards.test_dashboards_push import TOKEN, FakeGrafana, _handler
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run(
-    argv: list[str], cwd: Path, timeout: float = 600, check: bool = True
-) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["NO_PROXY"] = "127.0.0.1,localhost"
-    result = subprocess.run(
-        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if check and result.returncode != 0:
-        pytest.fail(f"{argv} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What ``make dist`` builds: a wheel and an sdist, from this checkout."""
-    out = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)], cwd=out)
-    return out
-
-
-def wheel(dist: Path) -> Path:
-    (found,) = dist.glob(f"kvwatch-{__version__}-py3-none-any.whl")
-    return found
-
-
-def venv(root: Path, *packages: str) -> Path:
-    run([sys.executable, "-m", "venv", str(root)], cwd=root.parent)
-    pip = [str(root / "bin" / "python"), "-m", "pip", "install", "-q"]
-    for group in packages:
-        run([*pip, *group.split()], cwd=root.parent)
-    return root / "bin"
-
-
-@pytest.fixture(scope="module")
-def plain(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A venv with only the wheel and its dependencies: no torch."""
-    return venv(tmp_path_factory.mktemp("plain") / "venv", str(wheel(dist)))
-
-
-@pytest.fixture
-def empty(tmp_path: Path) -> Path:
-    folder = tmp_path / "empty"
-    folder.mkdir()
-    return folder
+from tests.dashboards.test_dashboards_push import TOKEN, FakeGrafana
+from tests.install.conftest import REPO, run, wheel
 
 
 def test_sdist_and_wheel_are_built(dist: Path) -> None:
@@ -147,22 +97,6 @@ def test_daemon_from_the_wheel(plain: Path, empty: Path) -> None:
         assert proc.wait(30) == 0, log.read_text()
 
 
-@pytest.fixture
-def grafana() -> Iterator[FakeGrafana]:
-    import http.server
-    import threading
-
-    state = FakeGrafana()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield state
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_dashboards_push_from_the_wheel(plain: Path, empty: Path, grafana: FakeGrafana) -> None:
     token = empty / "token"
     token.write_text(TOKEN)
@@ -184,10 +118,8 @@ def test_dashboards_push_from_the_wheel(plain: Path, empty: Path, grafana: FakeG
 
 
 def test_hooks_and_sglang_entry_point_from_the_wheel(
-    dist: Path, plain: Path, tmp_path: Path, empty: Path
+    engine: Path, plain: Path, empty: Path
 ) -> None:
-    # torch first and pinned (the CPU build on this machine's disk), then the wheel's extra.
-    engine = venv(tmp_path / "engine", "torch==2.13.0", f"{wheel(dist)}[engine]")
     spool = empty / "spool"
     run([str(engine / "python"), "-m", "engine_hooks.walkthrough", "--spool", str(spool)], empty)
     events = run([str(plain / "kvwatch"), "spool", str(spool), "--events"], empty).stdout
