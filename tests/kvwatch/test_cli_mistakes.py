@@ -217,7 +217,7 @@ MISTAKES: list[Mistake] = [
             "{t}/token",
             "--dashboards-dir",
             "{t}/dir",
-        ),  # fmt: skip
+        ),
         1,
         "no dashboard JSON in {t}/dir",
         _both(_token, _dir),

@@ -77,7 +77,7 @@ def test_durations_and_log_flags() -> None:
 
 @pytest.mark.parametrize("value", ["30", 30, "0", 0.5, True])
 def test_a_duration_without_a_unit_is_refused(value: object) -> None:
-    with pytest.raises(ConfigError, match="retention: .*(no unit|not a duration)"):
+    with pytest.raises(ConfigError, match=r"retention: .*(no unit|not a duration)"):
         parse_duration(value, setting="retention")
 
 
@@ -114,7 +114,7 @@ def test_log_flags_are_validated(flag: str, message: str) -> None:
     ("text", "message"),
     [
         ('retension = "30d"\n', "unknown setting 'retension' (did you mean 'retention'?)"),
-        ('retention = 30\n', "retention: 30 has no unit"),
+        ("retention = 30\n", "retention: 30 has no unit"),
         ('nvml = "false"\n', "nvml: expected true or false"),
         ("quarantine_max = '3'\n", "quarantine_max: expected a whole number"),
         ("journal = 5\n", "journal: expected a string"),
