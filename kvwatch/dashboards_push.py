@@ -196,8 +196,14 @@ def _positive_seconds(text: str) -> float:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``dashboards push`` to the ``kvwatch`` command's subparsers; returns ``dashboards``."""
+    from kvwatch.clihelp import Formatter
+
     dashboards: argparse.ArgumentParser = subparsers.add_parser(
-        "dashboards", help="kvwatch's Grafana dashboards and alert rules"
+        "dashboards",
+        help="kvwatch's Grafana dashboards and alert rules",
+        description="Put kvwatch's dashboards and Grafana alert rules into Grafana.",
+        epilog="example:\n  kvwatch dashboards push --url https://grafana:3000 --token-file token",
+        formatter_class=Formatter,
     )
     commands = dashboards.add_subparsers(dest="dashboards_command", required=True)
     p = commands.add_parser(
@@ -211,10 +217,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "that it never shows in ps or shell history."
         ),
         epilog=(
-            "example:\n  kvwatch dashboards push --url https://grafana.example.com:3000 "
+            "examples:\n  kvwatch dashboards push --url https://grafana.example.com:3000 "
             "--token-file /run/secrets/grafana-token"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=Formatter,
     )
     p.add_argument("--url", required=True, help="Grafana's base URL, e.g. https://grafana:3000")
     p.add_argument(
