@@ -137,11 +137,9 @@ def _incidents(args: argparse.Namespace) -> int:
     try:
         journal = Journal(args.journal, readonly=True)
         try:
-            rows = incidents.query(
-                journal,
-                since_seconds=None if since is None else now - since,
-                detector=args.detector,
-            )
+            # The absolute time: a "since" given as a timestamp must not drift by the query's
+            # own latency.
+            rows = journal.incidents(since=since, detector=args.detector)
         finally:
             journal.close()
     except (JournalError, sqlite3.Error, OSError) as exc:

@@ -168,7 +168,8 @@ def _coverage(state: State, h: Health) -> Check:
     for (family, labels), value in totals.items():
         if family == "kvwatch_verifications":
             verified[labels[0]] = verified.get(labels[0], 0.0) + value
-        elif family == "kvwatch_verifications_skipped" and labels[1] != "mode_off":
+        elif family == "kvwatch_verifications_skipped" and labels[-1] != "mode_off":
+            # labels: (detector, role, reason), as state.HOOK_COUNTERS names them
             skipped[labels[0]] = skipped.get(labels[0], 0.0) + value
     idle = sorted(d for d, n in skipped.items() if n and not verified.get(d))
     if idle:
