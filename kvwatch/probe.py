@@ -397,9 +397,7 @@ def add_parser(commands: Any) -> None:
     size.add_argument(
         "--pool-tokens", type=int, help="the KV pool, in tokens (with --context-tokens)"
     )
-    size.add_argument(
-        "--context-tokens", type=int, help="the advertised context length, in tokens"
-    )
+    size.add_argument("--context-tokens", type=int, help="the advertised context length, in tokens")
     size.add_argument(
         "--from-logs", nargs="+", metavar="FILE", help="engine logs to read pool and context from"
     )
