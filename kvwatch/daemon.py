@@ -231,6 +231,7 @@ class Daemon:
             more = self.reader.poll().more
             ok = self._spool_present()
             self._failures = 0
+            self.ready.set()  # the journal is open and a poll has committed
         except Exception as exc:
             ok = False
             self._failures += 1
@@ -266,7 +267,6 @@ class Daemon:
                 ok = False
                 self.log.error("journal.prune_failed", error=str(exc))
             self._done("journal", ok, started)
-        self.ready.set()
         return more
 
     def _spool_present(self) -> bool:

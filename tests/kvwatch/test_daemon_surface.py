@@ -49,6 +49,32 @@ def wait_until(predicate: object, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def status_on_a_terminal(url: str, **env: str) -> str:
+    """``kvwatch status`` with its stdout on a pseudo-terminal, as an SRE logged in sees it."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "kvwatch.cli", "status", "--url", url],
+            cwd=REPO, stdout=follower, stderr=subprocess.DEVNULL, check=False, timeout=60,
+            env={**os.environ, "TERM": "xterm", **env},
+        )  # fmt: skip
+        os.close(follower)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out.decode()
+    finally:
+        os.close(leader)
+
+
 def collector(daemon: DaemonProcess, name: str) -> float | None:
     return samples(daemon.scrape(), "kvwatch_collector_success").get((("collector", name),))
 
@@ -158,6 +184,7 @@ def test_missing_spool_and_log_are_loud_and_measured(tmp_path: Path) -> None:
 def test_status_command_against_the_daemon(tmp_path: Path) -> None:
     (tmp_path / "spool").mkdir()
     producer = Producer(tmp_path / "spool", role="prefill")
+    producer.identity["pid"] = os.getpid()  # a live process: the producer is not retired
     producer.append(producer.hello(), producer.gauges(681_280, 1_048_576))
     daemon = DaemonProcess(tmp_path, "--no-nvml")
     try:
@@ -179,6 +206,10 @@ def test_status_command_against_the_daemon(tmp_path: Path) -> None:
         config = tmp_path / "kvwatch.toml"
         config.write_text(f'listen = ":{port}"\n')
         assert kvwatch("status", "--config", str(config)).returncode == 3
+        t0 = time.monotonic()
+        assert "\x1b[" in status_on_a_terminal(url)
+        assert "\x1b[" not in status_on_a_terminal(url, NO_COLOR="1")
+        assert time.monotonic() - t0 < 20
     finally:
         assert daemon.stop() == 0
 
@@ -221,3 +252,28 @@ def test_version_is_the_package_version(flag: str) -> None:
 
     assert kvwatch(flag).stdout.strip() == f"kvwatch {__version__}"
     assert version("kvwatch") == __version__
+
+
+def test_not_ready_until_the_first_poll(tmp_path: Path) -> None:
+    """/-/ready answers 503 until the daemon says its first poll committed (the daemon's own
+    app and server, with its readiness flag held down)."""
+    import threading
+
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+
+    from kvwatch.state import State
+    from kvwatch.statuspage import make_app, serve_wsgi
+
+    ready = threading.Event()
+    app = make_app(make_wsgi_app(CollectorRegistry()), State(), tmp_path / "j.db", ready.is_set)
+    server = serve_wsgi("127.0.0.1", 0, app, {})
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        status, _, body = get(base + "/-/ready")
+        assert status == 503 and "first poll" in body
+        assert get(base + "/-/healthy")[0] == 200
+        ready.set()
+        assert get(base + "/-/ready")[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
