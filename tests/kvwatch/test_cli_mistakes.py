@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvwatch.journal import Journal
-from tests.kvwatch.daemonproc import REPO
+from tests.kvwatch.daemonproc import REPO, run_cli
 
 
 @dataclass(frozen=True)
@@ -237,18 +237,9 @@ def scratch() -> Iterator[Path]:
 
 
 def run_kvwatch(argv: list[str], *, as_nobody: bool = False) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, NO_PROXY="127.0.0.1,localhost")
     # setpriv (util-linux, in every Debian): drop to nobody with no supplementary groups.
-    user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_nobody else []
-    return subprocess.run(
-        [*user, sys.executable, "-m", "kvwatch.cli", *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-        env=env,
-    )
+    user = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups") if as_nobody else ()
+    return run_cli(*argv, prefix=user)
 
 
 def assert_one_line(result: subprocess.CompletedProcess[str], code: int, says: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.nvml import Nvml
-from tests.kvwatch.daemonproc import REPO, DaemonProcess
+from tests.kvwatch.daemonproc import DaemonProcess, run_cli
 from tests.kvwatch.writer import spool_module
 
 SGLANG_LINE = (
@@ -41,13 +40,7 @@ def wait_for(daemon: DaemonProcess, name: str, value: float, timeout: float = 30
 
 
 def kvwatch(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvwatch.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    return run_cli(*args)
 
 
 @pytest.fixture

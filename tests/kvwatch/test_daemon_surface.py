@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kvwatch.daemonproc import REPO, DaemonProcess
+from tests.kvwatch.daemonproc import REPO, DaemonProcess, run_cli
 from tests.kvwatch.spoolgen import Producer
 from tests.kvwatch.test_daemon import samples
 
@@ -29,16 +29,8 @@ def get(url: str, accept: str = "*/*") -> tuple[int, str, str]:
         return exc.code, exc.headers["Content-Type"], exc.read().decode()
 
 
-def kvwatch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvwatch.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-        env={**os.environ, "NO_PROXY": "127.0.0.1", **(env or {})},
-    )
+def kvwatch(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args)
 
 
 def wait_until(predicate: object, timeout: float = 30.0) -> None:
