@@ -132,10 +132,11 @@ def run(args: argparse.Namespace) -> int:
         from grafana_client.client import GrafanaException
     except ImportError:
         print(
-            "kvwatch dashboards push needs grafana-client: pip install 'kvwatch[dashboards]'",
+            "kvwatch dashboards push: grafana-client (a kvwatch dependency) is missing; "
+            "reinstall kvwatch",
             file=sys.stderr,
         )
-        return 2
+        return 1  # a broken installation, not a usage error
     import niquests
 
     try:
