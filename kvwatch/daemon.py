@@ -115,7 +115,7 @@ class Daemon:
             try:
                 self.journal = Journal(config.journal)
                 self.state = self.journal.load()
-            except (JournalError, sqlite3.Error) as exc:
+            except (JournalError, sqlite3.Error, OSError) as exc:
                 raise DaemonError(f"journal {config.journal}: {_reason(exc)}") from None
         except BaseException:
             self._unlock()
