@@ -140,6 +140,7 @@ class Daemon:
         self.ready = threading.Event()
         self._spool_missing = False
         self._exit_code = 0
+        self._signals: list[str] = []
         self.server: Any = None
         self._next_prune = 0.0
         self._last_prune = 0.0
@@ -186,23 +187,37 @@ class Daemon:
         try:
             while not self.stop.is_set():
                 more = self.run_once()
+                self._report_signals()
                 if not more:
                     delay = self.config.poll_interval * (2 ** min(self._failures, 6))
                     self.stop.wait(min(delay, MAX_BACKOFF))
+            self._report_signals()
         finally:
             self.close()
         self.log.info("daemon.stopped")
         return self._exit_code
 
+    # The handlers only record the signal: logging from a handler could wait forever on the log
+    # stream's lock, held by the same thread when a write to a full terminal or pipe blocks.
+
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.log.info("daemon.stopping", signal=signal.Signals(signum).name)
+        self._signals.append(signal.Signals(signum).name)
         self.stop.set()
 
     def _on_sighup(self, _signum: int, _frame: FrameType | None) -> None:
-        self.log.warning(
-            "daemon.sighup",
-            message="the configuration is read at start only; restart kvwatch to apply a change",
-        )
+        self._signals.append("SIGHUP")
+
+    def _report_signals(self) -> None:
+        while self._signals:
+            name = self._signals.pop(0)
+            if name == "SIGHUP":
+                self.log.warning(
+                    "daemon.sighup",
+                    message="the configuration is read at start only; "
+                    "restart kvwatch to apply a change",
+                )
+            else:
+                self.log.info("daemon.stopping", signal=name)
 
     def close(self) -> None:
         if self.server is not None:

@@ -269,3 +269,31 @@ def test_not_ready_until_the_first_poll(tmp_path: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_sigterm_stops_a_daemon_whose_log_reader_stalled(tmp_path: Path) -> None:
+    """stderr is a pipe that nobody reads for a while (a stuck log shipper) and the daemon has
+    filled it; SIGTERM arrives then. Once the reader drains the pipe the daemon stops cleanly:
+    the handler only records the signal, it never waits on the log stream's lock."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    for i in range(3000):  # each one is a warning line: far more than a pipe holds
+        (spool / f"bad name {i}.kvs").write_bytes(b"")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwatch.cli", "daemon", "--spool-dir", str(spool),
+         "--journal", str(tmp_path / "j.db"), "--listen", "127.0.0.1:0", "--no-nvml"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        time.sleep(3)  # not reading: the daemon blocks writing its warnings
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        _, output = proc.communicate(timeout=60)  # drain the pipe; the daemon must exit
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert output.count(b"spool.segment_ignored") == 3000
+    assert b'"daemon.stopping"' in output and b'"daemon.stopped"' in output
