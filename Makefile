@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test \
-	mutation-vllm vllm-pd-test gpu-check
+	mutation-vllm vllm-pd-test gpu-check dist
 
 $(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,20 +23,27 @@ demo: $(STAMP)
 walkthrough: $(STAMP)
 	$(PY) -m engine_hooks.walkthrough
 
-# Prometheus, Alertmanager (promtool, amtool) and Chromium (the status page test) from Debian's
-# packages: installed when missing and running as root; otherwise a loud failure, never a skip.
-DEBIAN_TOOLS := prometheus prometheus-alertmanager chromium
+# Prometheus, Alertmanager (promtool, amtool), Chromium (the status page test) and systemd
+# (systemd-analyze verify, the README's unit) from Debian's packages: installed when missing and
+# running as root; otherwise a loud failure, never a skip.
+DEBIAN_TOOLS := prometheus prometheus-alertmanager chromium systemd
 tools:
 	@if command -v promtool >/dev/null && command -v amtool >/dev/null \
-	    && command -v prometheus-alertmanager >/dev/null && command -v chromium >/dev/null; then :; \
+	    && command -v prometheus-alertmanager >/dev/null && command -v chromium >/dev/null \
+	    && command -v systemd-analyze >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 	        --no-install-recommends $(DEBIAN_TOOLS); \
 	else \
-	    echo "make test needs promtool, amtool, prometheus-alertmanager and chromium:" >&2; \
+	    echo "make test needs promtool, amtool, prometheus-alertmanager, chromium, systemd-analyze:" >&2; \
 	    echo "  sudo apt-get install -y --no-install-recommends $(DEBIAN_TOOLS)" >&2; \
 	    exit 1; \
 	fi
+
+# The wheel (with the dashboards, rules and deploy files as package data) and the sdist, in dist/.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -85,4 +92,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,19 +1,47 @@
-"""kvwatch: catch KV-cache pages read by requests that never wrote them, and page a human."""
+"""kvwatch: catch KV-cache pages read by a request that never wrote them, and page a human.
+
+Engine hooks write detection records to a spool; `kvwatch daemon` turns them into Prometheus
+metrics, an incident journal and a status page. Every command answers --help with an example.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sqlite3
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
-import kvspool
-from kvwatch import __version__, dashboards_push, probe
+from kvspool.catalogue import DETECTOR, KIND, OTHER, ROLE
+from kvwatch import __version__, assets, dashboards_push, probe
 from kvwatch import config as configuration
+from kvwatch.clihelp import Formatter, Parser, add_command, fail, paint, use_colour
+
+# What `incidents` filters on: the catalogue's names ("other" is no detector or kind of its own).
+DETECTORS = tuple(v for v in DETECTOR.sorted_values if v != OTHER)
+KINDS = tuple(v for v in KIND.sorted_values if v != OTHER)
+ROLES = ROLE.sorted_values
+
+# -- kvwatch spool ---------------------------------------------------------------------------
 
 
 def _spool(args: argparse.Namespace) -> int:
-    contents = kvspool.read_spool(args.directory)
+    import kvspool
+
+    if not os.path.isdir(args.directory):
+        what = "is not a folder" if os.path.exists(args.directory) else "does not exist"
+        return fail("spool", f"{args.directory} {what} (give the daemon's spool_dir)")
+    try:
+        contents = kvspool.read_spool(args.directory)
+    except OSError as exc:
+        return fail("spool", f"cannot read {args.directory}: {exc.strerror or exc}")
     for record in contents.records:
         if args.events and record["type"] != "event":
             continue
@@ -23,14 +51,14 @@ def _spool(args: argparse.Namespace) -> int:
     return 1 if contents.errors else 0
 
 
+# -- kvwatch daemon --------------------------------------------------------------------------
+
+
 def _daemon(args: argparse.Namespace) -> int:
-    import sqlite3
-
     from kvwatch import logsetup
-    from kvwatch.daemon import Daemon
-    from kvwatch.journal import JournalError
+    from kvwatch.daemon import Daemon, DaemonError
 
-    logsetup.configure(args.log_level)
+    logsetup.configure(args.log_level, fmt=args.log_format)
     try:
         config = configuration.load(args.config)
         overrides: dict[str, object] = {}
@@ -38,10 +66,9 @@ def _daemon(args: argparse.Namespace) -> int:
             value = getattr(args, key)
             if value is not None:
                 overrides[key] = value
-        if args.poll_interval is not None:
-            overrides["poll_interval"] = args.poll_interval
-        if args.idle_grace is not None:
-            overrides["idle_grace"] = args.idle_grace
+        for key in ("poll_interval", "idle_grace"):
+            if getattr(args, key) is not None:
+                overrides[key] = getattr(args, key)
         if args.no_nvml:
             overrides["nvml"] = False
         if args.allowed_user:
@@ -49,29 +76,86 @@ def _daemon(args: argparse.Namespace) -> int:
         config = configuration.from_mapping(overrides, config)
         if args.log:
             config.logs = config.logs + [configuration.parse_log_flag(v) for v in args.log]
+        configuration.check_retention(config, allow_short=args.allow_short_retention)
+    except configuration.ConfigError as exc:
+        return fail("daemon", str(exc), 2)
+    try:
         daemon = Daemon(config)
-    except (configuration.ConfigError, JournalError, OSError, sqlite3.Error) as exc:
-        print(f"kvwatch daemon: {exc}", file=sys.stderr)
-        return 2
+    except DaemonError as exc:
+        return fail("daemon", str(exc))
     return daemon.run()
+
+
+# -- kvwatch incidents -----------------------------------------------------------------------
+
+
+def parse_since(text: str, now: float) -> float:
+    """A Unix time from a duration back from now (``1h``) or a UTC date or time (ISO 8601)."""
+    try:
+        return now - configuration.parse_duration(text, setting="--since")
+    except configuration.ConfigError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise configuration.ConfigError(
+            f"--since {text!r}: expected a duration (1h, 7d) or a UTC time "
+            "(2026-11-30 or 2026-11-30T14:00:00Z)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _choice(option: str, value: str | None, allowed: Sequence[str]) -> None:
+    if value is not None and value not in allowed:
+        raise configuration.ConfigError(
+            f"{option}: unknown {option[2:]} {value!r}{configuration.did_you_mean(value, allowed)}"
+        )
+
+
+def _journal_problem(path: str) -> str | None:
+    journal = Path(path)
+    if not journal.exists():
+        return f"no journal at {path} (give the daemon's journal path with --journal)"
+    if journal.is_dir():
+        return f"the journal {path} is a directory, not a journal file"
+    if not os.access(journal, os.R_OK):
+        return f"the journal {path} is not readable by this user (try sudo, or the kvwatch user)"
+    return None
 
 
 def _incidents(args: argparse.Namespace) -> int:
     from kvwatch import incidents
     from kvwatch.journal import Journal, JournalError
 
+    now = time.time()
     try:
-        since = None if args.since is None else configuration.parse_duration(args.since)
+        since = None if args.since is None else parse_since(args.since, now)
+        _choice("--detector", args.detector, DETECTORS)
+        _choice("--kind", args.kind, KINDS)
+    except configuration.ConfigError as exc:
+        return fail("incidents", str(exc), 2)
+    problem = _journal_problem(args.journal)
+    if problem:
+        return fail("incidents", problem)
+    try:
         journal = Journal(args.journal, readonly=True)
-    except (configuration.ConfigError, JournalError) as exc:
-        print(f"kvwatch incidents: {exc}", file=sys.stderr)
-        return 2
-    try:
-        rows = incidents.query(journal, since_seconds=since, detector=args.detector)
-    finally:
-        journal.close()
+        try:
+            # The absolute time: a "since" given as a timestamp must not drift by the query's
+            # own latency.
+            rows = journal.incidents(since=since, detector=args.detector)
+        finally:
+            journal.close()
+    except (JournalError, sqlite3.Error, OSError) as exc:
+        return fail("incidents", f"cannot read the journal {args.journal}: {exc}")
+    if args.kind is not None:
+        rows = [row for row in rows if row["kind"] == args.kind]
     incidents.render(rows, sys.stdout, as_json=args.json)
     return 0
+
+
+# -- kvwatch check-logs ----------------------------------------------------------------------
 
 
 def _check_logs(args: argparse.Namespace) -> int:
@@ -82,66 +166,303 @@ def _check_logs(args: argparse.Namespace) -> int:
     return checklogs.exit_status(rows)
 
 
+# -- kvwatch export --------------------------------------------------------------------------
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        written = assets.export(args.kind, Path(args.directory), force=args.force)
+    except assets.AssetError as exc:
+        return fail("export", str(exc))
+    except OSError as exc:
+        return fail("export", f"cannot write to {args.directory}: {exc.strerror or exc}")
+    for path in written:
+        print(path)
+    return 0
+
+
+# -- kvwatch status --------------------------------------------------------------------------
+
+STATUS_EXIT = {"ok": 0, "warning": 3, "alarm": 4}
+
+
+def status_url(args: argparse.Namespace) -> str:
+    if args.url:
+        return str(args.url).rstrip("/")
+    listen = configuration.load(args.config).listen if args.config else configuration.DEFAULT_LISTEN
+    host, port = configuration.parse_listen(listen)
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"  # every interface includes loopback
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        url = status_url(args)
+    except configuration.ConfigError as exc:
+        return fail("status", str(exc), 2)
+    request = urllib.request.Request(url + "/", headers={"Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as reply:
+            summary: dict[str, Any] = json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return fail("status", f"the daemon at {url} answered HTTP {exc.code}")
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return fail(
+            "status",
+            f"no kvwatch daemon answers at {url} ({reason}); is it running? "
+            "(systemctl status kvwatch)",
+        )
+    except ValueError:
+        return fail("status", f"{url} did not answer with kvwatch's status JSON")
+    if args.json:
+        print(json.dumps(summary, sort_keys=True, indent=2))
+    else:
+        colour = use_colour(sys.stdout, args.color)
+        print(paint(summary["headline"], summary["level"], colour))
+        for check in summary["checks"]:
+            mark = {"ok": "ok  ", "warning": "WARN", "alarm": "ALRM"}[check["level"]]
+            print(f"  {paint(mark, check['level'], colour)}  {check['name']:<12} {check['line']}")
+    return STATUS_EXIT.get(summary["level"], 1)
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvwatch", description=__doc__)
+    parser = Parser(
+        prog="kvwatch",
+        description=__doc__,
+        formatter_class=Formatter,
+        epilog=(
+            "examples:\n  kvwatch daemon --config /etc/kvwatch/kvwatch.toml\n"
+            "  kvwatch status\n  kvwatch incidents --since 1h\n"
+            "  kvwatch export rules /etc/prometheus/rules/"
+        ),
+    )
     parser.add_argument("--version", action="version", version=f"kvwatch {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    spool = commands.add_parser("spool", help="print the records in a spool directory as JSON")
-    spool.add_argument("directory")
-    spool.add_argument("--events", action="store_true", help="detection events only")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    spool = add_command(
+        commands,
+        "spool",
+        help="print the records in a spool folder as JSON lines",
+        description="Decode every spool segment in a folder and print its records, one JSON "
+        "object a line. Exit 1 when a frame cannot be read.",
+        examples=["kvwatch spool /run/kvwatch/spool --events | head"],
+    )
+    spool.add_argument("directory", metavar="DIR", help="the spool folder (the daemon's spool_dir)")
+    spool.add_argument("--events", action="store_true", help="only detection events")
     spool.set_defaults(func=_spool)
 
-    daemon = commands.add_parser(
-        "daemon", help="read the spool, engine logs and NVML; keep the journal; serve /metrics"
-    )
-    daemon.add_argument("--config", help="TOML file (flags override it)")
-    daemon.add_argument("--spool-dir", dest="spool_dir")
-    daemon.add_argument("--journal", help="SQLite journal path")
-    daemon.add_argument(
-        "--listen", help=f"HOST:PORT for /metrics (default {configuration.DEFAULT_LISTEN})"
-    )
-    daemon.add_argument(
-        "--log",
-        action="append",
-        metavar="ROLE:ENGINE:PATH",
-        help="an engine log to watch (repeatable); ROLE:PATH and PATH also work",
-    )
-    daemon.add_argument("--no-nvml", action="store_true", help="do not read GPU memory")
-    daemon.add_argument("--retention", help="keep incidents this long (default 30d)")
-    daemon.add_argument("--records-retention", dest="records_retention")
-    daemon.add_argument("--poll-interval", dest="poll_interval", type=float)
-    daemon.add_argument("--idle-grace", dest="idle_grace", type=float)
-    daemon.add_argument(
-        "--allowed-user", action="append", help="user (or uid) allowed to own spool segments"
-    )
-    daemon.add_argument("--log-level", default="info")
-    daemon.set_defaults(func=_daemon)
+    _add_daemon(commands)
 
-    incidents = commands.add_parser("incidents", help="list the requests detectors flagged")
-    incidents.add_argument("--journal", default=configuration.DEFAULT_JOURNAL)
-    incidents.add_argument("--since", help="only the last DURATION (e.g. 1h, 7d)")
-    incidents.add_argument("--detector", help="only this detector (canary, checksum, ...)")
-    incidents.add_argument("--json", action="store_true", help="a JSON array, for machines")
-    incidents.set_defaults(func=_incidents)
+    inc = add_command(
+        commands,
+        "incidents",
+        help="list the requests a detector flagged, from the journal",
+        description="The affected requests, for the disclosure team: time, node, role, engine, "
+        "request id, detector, kind and pages. Reads the journal without locking the daemon out.",
+        examples=[
+            "kvwatch incidents --since 24h --detector canary",
+            "kvwatch incidents --since 2026-11-30T00:00:00Z --json > incidents.json",
+        ],
+    )
+    inc.add_argument(
+        "--journal", default=configuration.DEFAULT_JOURNAL, help="the daemon's SQLite journal"
+    )
+    inc.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="only incidents since then: a duration back from now (1h, 7d) or a UTC time "
+        "(2026-11-30T14:00:00Z) (default: all)",
+    )
+    inc.add_argument(
+        "--detector",
+        help=f"only this detector: {', '.join(sorted(DETECTORS))} (default: all)",
+    )
+    inc.add_argument("--kind", help=f"only this kind: {', '.join(sorted(KINDS))} (default: all)")
+    inc.add_argument("--json", action="store_true", help="a JSON array, for machines")
+    inc.set_defaults(func=_incidents)
 
-    check = commands.add_parser(
+    check = add_command(
+        commands,
         "check-logs",
         help="gate a deploy on KV pool >= context length on every node (exit 1 if not)",
+        description="Read engine start-up logs and print, per node and role, the KV pool, the "
+        "context length and the unsafe band between them. Exit 0: no band; 1: a band; 2: a "
+        "file without a start-up line, or unreadable.",
+        examples=[
+            "kvwatch check-logs /var/log/sglang/prefill.log /var/log/sglang/decode.log",
+            "kubectl logs deploy/decode | kvwatch check-logs --role decode -",
+        ],
     )
     check.add_argument("files", nargs="+", metavar="FILE", help="engine logs ('-' for stdin)")
     check.add_argument(
-        "--role", help="role for lines without a 'prefill:'/'decode:' prefix (default: from name)"
+        "--role",
+        choices=sorted(ROLES),
+        help="role for lines without a 'prefill:'/'decode:' prefix (default: from the file name)",
     )
-    check.add_argument("--json", action="store_true")
+    check.add_argument("--json", action="store_true", help="a JSON array, for machines")
     check.set_defaults(func=_check_logs)
+
+    status = add_command(
+        commands,
+        "status",
+        help="this node's verdict from the running daemon, in the terminal",
+        description="The status page's summary: the headline (the worst of integrity, unsafe "
+        "band, coverage and freshness) and one line per check. Exit 0 ok, 3 warning, 4 alarm, "
+        "1 when no daemon answers.",
+        examples=["kvwatch status", "kvwatch status --url http://10.0.0.7:29321 --json"],
+    )
+    status.add_argument(
+        "--url",
+        help=f"the daemon's address (default: from --config's listen, else "
+        f"http://{configuration.DEFAULT_LISTEN})",
+    )
+    status.add_argument("--config", help="the daemon's TOML config, to find its listen address")
+    status.add_argument("--json", action="store_true", help="the summary as JSON")
+    status.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="colour the verdict; auto: on a terminal, unless NO_COLOR is set",
+    )
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    status.set_defaults(func=_status)
+
+    export = add_command(
+        commands,
+        "export",
+        help="write the dashboards, alert rules or deploy files installed with kvwatch",
+        description="Copy files that ship in the kvwatch package into a folder:\n"
+        + "\n".join(f"  {k:<15} {v}" for k, v in assets.DESCRIPTIONS.items()),
+        examples=[
+            "kvwatch export rules /etc/prometheus/rules/kvwatch",
+            "kvwatch export dashboards ./grafana-dashboards",
+            "kvwatch export deploy /tmp/kvwatch-deploy",
+        ],
+    )
+    export.add_argument("kind", choices=sorted(assets.KINDS), help="what to write")
+    export.add_argument("directory", metavar="DIR", help="the folder to write into (created)")
+    export.add_argument("--force", action="store_true", help="overwrite files already there")
+    export.set_defaults(func=_export)
+
     probe.add_parser(commands)
     dashboards_push.add_parser(commands)
     return parser
 
 
+def _add_daemon(commands: Any) -> None:
+    d = add_command(
+        commands,
+        "daemon",
+        help="read the spool, engine logs and NVML; keep the journal; serve /metrics",
+        description="The per-node daemon. Settings come from --config (TOML), flags override "
+        "them. HTTP: /metrics, / (status page), /-/healthy, /-/ready. Logs go to stderr: "
+        "coloured lines on a terminal, JSON lines otherwise. SIGTERM/SIGINT stop it after the "
+        "batch in hand is committed; SIGHUP is logged and ignored (restart to apply a config "
+        "change). One daemon per journal and per spool folder.",
+        examples=[
+            "kvwatch daemon --config /etc/kvwatch/kvwatch.toml",
+            "kvwatch daemon --spool-dir /run/kvwatch/spool --listen :29321 "
+            "--log prefill:sglang:/var/log/sglang/prefill.log",
+        ],
+    )
+    d.add_argument("--config", metavar="FILE", help="TOML settings file (default: none)")
+    d.add_argument(
+        "--spool-dir",
+        dest="spool_dir",
+        metavar="DIR",
+        help=f"where the engine hooks write (default: {configuration.DEFAULT_SPOOL_DIR})",
+    )
+    d.add_argument(
+        "--journal",
+        metavar="FILE",
+        help="SQLite incident journal, on persistent disk "
+        f"(default: {configuration.DEFAULT_JOURNAL})",
+    )
+    d.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help=f"HTTP address; :PORT means every interface (default: {configuration.DEFAULT_LISTEN})",
+    )
+    d.add_argument(
+        "--log",
+        action="append",
+        metavar="ROLE:ENGINE:PATH",
+        help="an engine log to watch, repeatable; ROLE is one of "
+        f"{', '.join(configuration.LOG_ROLES)}, ENGINE one of "
+        f"{', '.join(configuration.LOG_ENGINES)}; ROLE:PATH and an absolute PATH also work "
+        "(default: none)",
+    )
+    d.add_argument("--no-nvml", action="store_true", help="do not read GPU memory through NVML")
+    d.add_argument(
+        "--retention",
+        metavar="DURATION",
+        help="keep incidents, rejects and gaps this long, with a unit: 30d, 12h (default: 30d)",
+    )
+    d.add_argument(
+        "--records-retention",
+        dest="records_retention",
+        metavar="DURATION",
+        help="keep per-record accounting rows this long, with a unit (default: 2d)",
+    )
+    d.add_argument(
+        "--allow-short-retention",
+        action="store_true",
+        help="accept a retention under one hour (otherwise refused as a likely unit mistake)",
+    )
+    d.add_argument(
+        "--poll-interval",
+        dest="poll_interval",
+        metavar="SECONDS",
+        help="seconds between spool polls, or a duration such as 250ms (default: 0.25)",
+    )
+    d.add_argument(
+        "--idle-grace",
+        dest="idle_grace",
+        metavar="SECONDS",
+        help="seconds before a silent producer's open segment counts as abandoned (default: 5)",
+    )
+    d.add_argument(
+        "--allowed-user",
+        action="append",
+        metavar="USER",
+        help="user name or uid allowed to own spool segments, repeatable "
+        "(default: the daemon's own user)",
+    )
+    from kvwatch.logsetup import FORMATS, LEVELS
+
+    d.add_argument("--log-level", choices=LEVELS, default="info", help="least severe log level")
+    d.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="auto",
+        help="auto: coloured human-readable lines on a terminal, JSON lines otherwise",
+    )
+    d.set_defaults(func=_daemon)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result: int = args.func(args)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse reports a subcommand's unknown option with the top-level usage; name the
+        # subcommand whose option it is not.
+        target: argparse.ArgumentParser = getattr(args, "_parser", parser)
+        target.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        result: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `kvwatch spool DIR | head -1`: the reader left; not an error worth a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return result
 
 

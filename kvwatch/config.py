@@ -4,7 +4,7 @@ Example (``deploy/kvwatch.toml``)::
 
     spool_dir = "/run/kvwatch/spool"
     journal = "/var/lib/kvwatch/journal.db"
-    listen = "127.0.0.1:29321"
+    listen = "127.0.0.1:29321"   # ":29321" means every interface
     nvml = true
     retention = "30d"            # incidents, rejects, gaps
     records_retention = "2d"     # the per-record accounting rows
@@ -18,14 +18,17 @@ Example (``deploy/kvwatch.toml``)::
 
 from __future__ import annotations
 
+import difflib
 import os
 import pwd
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
+from kvspool.catalogue import ENGINE, OTHER, ROLE
 from kvwatch.logwatch import WatchedLog
 
 #: 9100-9999 is fully allocated on Prometheus's exporter port list; this one is outside it,
@@ -37,27 +40,80 @@ DEFAULT_JOURNAL: Final = "/var/lib/kvwatch/journal.db"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+#: Below this, a retention is almost always a unit mistake (``30`` meant days, not seconds):
+#: refused unless the operator confirms it (``--allow-short-retention``).
+MIN_RETENTION: Final = 3600.0
+#: Roles and engines a watched log may name (the spool's catalogue; "auto": from the lines).
+LOG_ROLES: Final = ROLE.sorted_values
+LOG_ENGINES: Final = (*(e for e in ENGINE.sorted_values if e != OTHER), "auto")
 
 
 class ConfigError(ValueError):
     pass
 
 
-def parse_duration(value: str | float | int) -> float:
-    """Seconds from ``90``, ``"90s"``, ``"15m"``, ``"1h"``, ``"30d"``, ``"2w"``."""
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for a near miss, else a list of what is allowed."""
+    options = sorted(choices)
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (one of: {', '.join(options)})"
+
+
+def parse_duration(value: object, *, setting: str = "duration") -> float:
+    """Seconds from ``"90s"``, ``"15m"``, ``"1h"``, ``"30d"``, ``"2w"``, ``"250ms"``.
+
+    A bare number is refused: ``retention = 30`` has cost people their evidence when 30 days
+    was meant and 30 seconds was taken.
+    """
+    text = str(value)
+    match = _DURATION.match(text)
+    if isinstance(value, bool) or match is None:
+        raise ConfigError(f"{setting}: not a duration: {value!r} (use e.g. 90s, 15m, 1h, 30d)")
+    if match.group(2) is None:
+        raise ConfigError(
+            f"{setting}: {value!r} has no unit; write it with one, e.g. {match.group(1)}s, "
+            f"{match.group(1)}m, {match.group(1)}h or {match.group(1)}d"
+        )
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_seconds(value: object, *, setting: str) -> float:
+    """A number of seconds (``0.25``) or a duration with its unit (``250ms``)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    match = _DURATION.match(str(value))
-    if match is None:
-        raise ConfigError(f"not a duration: {value!r} (use e.g. 90s, 15m, 1h, 30d)")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+        seconds = float(value)
+    else:
+        try:
+            seconds = float(str(value))
+        except ValueError:
+            seconds = parse_duration(value, setting=setting)
+    if not seconds >= 0:
+        raise ConfigError(f"{setting}: must be 0 or more seconds, got {value!r}")
+    return seconds
 
 
 def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT``; ``:PORT`` is every interface, as exporters read it."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"listen must be HOST:PORT, got {value!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+        raise ConfigError(
+            f"listen: expected HOST:PORT or :PORT, got {value!r} (e.g. 127.0.0.1:{DEFAULT_PORT})"
+        )
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def check_retention(config: Config, *, allow_short: bool) -> None:
+    """Refuse a retention that would prune evidence within the hour, unless confirmed."""
+    for name in ("retention", "records_retention"):
+        seconds = getattr(config, name)
+        if seconds <= 0:
+            raise ConfigError(f"{name}: must be more than 0, got {seconds:g}s")
+        if seconds < MIN_RETENTION and not allow_short:
+            raise ConfigError(
+                f"{name}: {seconds:g}s would delete incidents within the hour; "
+                "pass --allow-short-retention if you mean it"
+            )
 
 
 @dataclass
@@ -86,7 +142,18 @@ class Config:
         return self.allowed_uids or [os.geteuid()]
 
 
-_DURATIONS: Final = {"retention", "records_retention", "poll_interval", "idle_grace"}
+_DURATIONS: Final = {"retention", "records_retention"}
+_SECONDS: Final = {"poll_interval", "idle_grace"}
+_STRINGS: Final = {
+    "spool_dir",
+    "journal",
+    "listen",
+    "quarantine_dir",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+}
+KNOWN_SETTINGS: Final = frozenset({f.name for f in fields(Config)} | {"allowed_users"})
 
 
 def _uid(user: object) -> int:
@@ -100,29 +167,49 @@ def _uid(user: object) -> int:
         raise ConfigError(f"allowed_users: no user {user!r}") from None
 
 
+def _list(key: str, value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: expected a list, got {value!r}")
+    return value
+
+
 def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
     config = base or Config()
-    known = {f.name for f in fields(Config)} | {"allowed_users"}
-    unknown = set(data) - known
-    if unknown:
-        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    for key in sorted(set(data) - KNOWN_SETTINGS):
+        raise ConfigError(f"unknown setting {key!r}{did_you_mean(key, KNOWN_SETTINGS)}")
     for key, value in data.items():
         if key in _DURATIONS:
-            setattr(config, key, parse_duration(value))
+            setattr(config, key, parse_duration(value, setting=key))
+        elif key in _SECONDS:
+            setattr(config, key, parse_seconds(value, setting=key))
         elif key == "allowed_users":
-            config.allowed_uids = [_uid(u) for u in value]
+            config.allowed_uids = [_uid(u) for u in _list(key, value)]
         elif key == "logs":
-            config.logs = [_watched(entry) for entry in value]
+            config.logs = [_watched(entry) for entry in _list(key, value)]
         elif key == "nvml":
-            config.nvml = bool(value)
-        elif key in ("allowed_uids",):
-            config.allowed_uids = [int(v) for v in value]
+            # Strictly a TOML boolean: "false" as a string is truthy and was read as true.
+            if not isinstance(value, bool):
+                raise ConfigError(f"nvml: expected true or false (no quotes), got {value!r}")
+            config.nvml = value
+        elif key == "allowed_uids":
+            config.allowed_uids = [_integer(key, v) for v in _list(key, value)]
         elif key == "quarantine_max":
-            config.quarantine_max = int(value)
-        else:
-            setattr(config, key, str(value))
+            config.quarantine_max = _integer(key, value)
+        elif key in _STRINGS:
+            if not isinstance(value, str):
+                raise ConfigError(f"{key}: expected a string, got {value!r}")
+            setattr(config, key, value)
     parse_listen(config.listen)
     return config
+
+
+def _integer(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected a whole number, got {value!r}")
+    return value
+
+
+_LOG_KEYS: Final = frozenset({"path", "role", "engine", "model"})
 
 
 def _watched(entry: object) -> WatchedLog:
@@ -130,25 +217,47 @@ def _watched(entry: object) -> WatchedLog:
         return parse_log_flag(entry)
     if not isinstance(entry, dict) or "path" not in entry:
         raise ConfigError(f"[[logs]] entry needs a path: {entry!r}")
-    extra = set(entry) - {"path", "role", "engine", "model"}
-    if extra:
-        raise ConfigError(f"[[logs]] unknown key(s): {', '.join(sorted(extra))}")
-    return WatchedLog(
-        path=str(entry["path"]),
-        role=str(entry.get("role", "other")),
-        engine=str(entry.get("engine", "auto")),
-        model=str(entry.get("model", "")),
+    for key in sorted(set(entry) - _LOG_KEYS):
+        raise ConfigError(f"[[logs]] unknown key {key!r}{did_you_mean(key, _LOG_KEYS)}")
+    return _checked_log(
+        str(entry["path"]),
+        str(entry.get("role", OTHER)),
+        str(entry.get("engine", "auto")),
+        str(entry.get("model", "")),
     )
 
 
+def _checked_log(path: str, role: str, engine: str, model: str = "") -> WatchedLog:
+    if role not in LOG_ROLES:
+        raise ConfigError(f"log {path}: unknown role {role!r}{did_you_mean(role, LOG_ROLES)}")
+    if engine not in LOG_ENGINES:
+        raise ConfigError(
+            f"log {path}: unknown engine {engine!r}{did_you_mean(engine, LOG_ENGINES)}"
+        )
+    if not path:
+        raise ConfigError("log: empty path")
+    return WatchedLog(path=path, role=role, engine=engine, model=model)
+
+
 def parse_log_flag(value: str) -> WatchedLog:
-    """``--log ROLE:ENGINE:PATH`` or ``--log ROLE:PATH`` or ``--log PATH``."""
+    """``--log ROLE:ENGINE:PATH`` or ``--log ROLE:PATH`` or ``--log PATH`` (an absolute path).
+
+    Every part is checked: ``prefill:sgl:/x.log`` is an unknown engine, not a file named
+    ``sgl:/x.log``.
+    """
+    if value.startswith(("/", ".")):
+        return _checked_log(value, OTHER, "auto")
     parts = value.split(":", 2)
-    if len(parts) == 3 and parts[0] and parts[1] in ("sglang", "vllm", "auto"):
-        return WatchedLog(path=parts[2], role=parts[0], engine=parts[1])
-    if len(parts) >= 2 and parts[0] in ("prefill", "decode", "unified"):
-        return WatchedLog(path=value.split(":", 1)[1], role=parts[0])
-    return WatchedLog(path=value)
+    if len(parts) == 3 and not parts[2].startswith("/") and parts[1].startswith("/"):
+        parts = [parts[0], f"{parts[1]}:{parts[2]}"]  # ROLE:/path:with:colons
+    if len(parts) == 3:
+        return _checked_log(parts[2], parts[0], parts[1])
+    if len(parts) == 2:
+        return _checked_log(parts[1], parts[0], "auto")
+    raise ConfigError(
+        f"--log {value!r}: expected ROLE:ENGINE:PATH, ROLE:PATH or an absolute PATH "
+        "(e.g. prefill:sglang:/var/log/sglang/prefill.log)"
+    )
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
@@ -157,8 +266,15 @@ def load(path: str | os.PathLike[str] | None) -> Config:
     try:
         with open(path, "rb") as handle:
             data = tomllib.load(handle)
+    except IsADirectoryError:
+        raise ConfigError(f"config {path} is a directory, not a TOML file") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    return from_mapping(data)
+        raise ConfigError(f"config {path}: {exc}") from None
+    try:
+        return from_mapping(data)
+    except ConfigError as exc:
+        raise ConfigError(f"config {path}: {exc}") from None

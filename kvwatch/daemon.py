@@ -2,14 +2,23 @@
 
 One thread polls (spool, then logs, then retention); the HTTP server answers scrapes from its own
 thread, reading the shared state under its lock. SIGTERM or SIGINT stops the loop after the batch
-in hand is committed.
+in hand is committed. SIGHUP is logged and otherwise ignored: the configuration is read once, at
+start (restart the daemon to apply a change; nothing is lost, the journal keeps its place).
+
+One daemon per journal and per spool: each is locked (``flock``) for the daemon's lifetime, since
+two daemons on one spool would record every incident twice.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import signal
+import sqlite3
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
@@ -20,7 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from kvwatch import __version__
 from kvwatch.config import Config, parse_listen
-from kvwatch.journal import MAX_RETIRED_PRODUCERS, Journal
+from kvwatch.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
 from kvwatch.logwatch import LogWatcher
 from kvwatch.metrics import KvwatchCollector
 from kvwatch.nvml import Nvml
@@ -34,12 +43,83 @@ CROWDED_PRUNE_SECONDS: Final = 60.0
 MAX_BACKOFF: Final = 5.0
 
 
+class DaemonError(Exception):
+    """The daemon cannot start; the message names the file or setting at fault."""
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split())
+
+
+def _flock(fd: int, what: str, path: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DaemonError(
+            f"another kvwatch daemon is using the {what} {path}; stop it first "
+            "(two daemons would record every incident twice)"
+        ) from None
+
+
+def lock_journal(path: str) -> int:
+    """Create the journal's folder and file if needed and hold an exclusive lock on the file.
+
+    ``flock`` and SQLite's own POSIX locks do not interact on Linux: readers (``kvwatch
+    incidents``, the status page) are not blocked.
+    """
+    journal = Path(path)
+    if journal.is_dir():
+        raise DaemonError(f"journal {path} is a directory; give a file, e.g. {path}/journal.db")
+    try:
+        journal.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DaemonError(f"journal {path}: {journal.parent} exists and is not a folder") from None
+    except OSError as exc:
+        raise DaemonError(
+            f"journal {path}: cannot create {journal.parent}: {_reason(exc)}"
+        ) from None
+    try:
+        fd = os.open(journal, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    except OSError as exc:
+        raise DaemonError(f"cannot open the journal {path}: {_reason(exc)}") from None
+    _flock(fd, "journal", path)
+    return fd
+
+
+def lock_spool(path: str) -> int | None:
+    """An exclusive lock on the spool folder; None while the folder does not exist yet."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        raise DaemonError(f"spool_dir {path} is a file, not a folder") from None
+    except OSError as exc:
+        raise DaemonError(f"cannot open the spool folder {path}: {_reason(exc)}") from None
+    _flock(fd, "spool folder", path)
+    return fd
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.log = structlog.get_logger("kvwatch.daemon")
-        self.journal = Journal(config.journal)
-        self.state = self.journal.load()
+        self._locks: list[int] = []
+        self._spool_lock: int | None = None
+        try:
+            self._locks.append(lock_journal(config.journal))
+            self._spool_lock = lock_spool(config.spool_dir)
+            try:
+                self.journal = Journal(config.journal)
+                self.state = self.journal.load()
+            except (JournalError, sqlite3.Error, OSError) as exc:
+                raise DaemonError(f"journal {config.journal}: {_reason(exc)}") from None
+        except BaseException:
+            self._unlock()
+            raise
         self.reader = SpoolReader(
             config.spool_dir,
             self.journal,
@@ -56,6 +136,11 @@ class Daemon:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.stop = threading.Event()
+        #: Set once the journal is open and the first poll is committed (``/-/ready``).
+        self.ready = threading.Event()
+        self._spool_missing = False
+        self._exit_code = 0
+        self._signals: list[str] = []
         self.server: Any = None
         self._next_prune = 0.0
         self._last_prune = 0.0
@@ -72,21 +157,23 @@ class Daemon:
             if self.config.tls_client_ca_file:
                 tls["client_cafile"] = self.config.tls_client_ca_file
                 tls["client_auth_required"] = True
-        self.server = serve_wsgi(
-            host, port, make_app(make_wsgi_app(self.registry), self.state, self.config.journal), tls
+        app = make_app(
+            make_wsgi_app(self.registry), self.state, self.config.journal, self.ready.is_set
         )
+        self.server = serve_wsgi(host, port, app, tls)
         bound = self.server.server_address
         return str(bound[0]), int(bound[1])
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_sighup)
         try:
             host, port = self.serve()
         except OSError as exc:
-            self.log.error("daemon.listen_failed", listen=self.config.listen, error=str(exc))
+            self.log.error("daemon.listen_failed", listen=self.config.listen, error=_reason(exc))
             self.close()
-            return 2
+            return 1
         self.log.info(
             "daemon.started",
             version=__version__,
@@ -100,17 +187,37 @@ class Daemon:
         try:
             while not self.stop.is_set():
                 more = self.run_once()
+                self._report_signals()
                 if not more:
                     delay = self.config.poll_interval * (2 ** min(self._failures, 6))
                     self.stop.wait(min(delay, MAX_BACKOFF))
+            self._report_signals()
         finally:
             self.close()
         self.log.info("daemon.stopped")
-        return 0
+        return self._exit_code
+
+    # The handlers only record the signal: logging from a handler could wait forever on the log
+    # stream's lock, held by the same thread when a write to a full terminal or pipe blocks.
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.log.info("daemon.stopping", signal=signal.Signals(signum).name)
+        self._signals.append(signal.Signals(signum).name)
         self.stop.set()
+
+    def _on_sighup(self, _signum: int, _frame: FrameType | None) -> None:
+        self._signals.append("SIGHUP")
+
+    def _report_signals(self) -> None:
+        while self._signals:
+            name = self._signals.pop(0)
+            if name == "SIGHUP":
+                self.log.warning(
+                    "daemon.sighup",
+                    message="the configuration is read at start only; "
+                    "restart kvwatch to apply a change",
+                )
+            else:
+                self.log.info("daemon.stopping", signal=name)
 
     def close(self) -> None:
         if self.server is not None:
@@ -120,6 +227,14 @@ class Daemon:
         self.logs.close()
         self.nvml.close()
         self.journal.close()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        for fd in [*self._locks, self._spool_lock]:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._locks, self._spool_lock = [], None
 
     # -- one round ----------------------------------------------------------------------------
 
@@ -129,8 +244,9 @@ class Daemon:
         started = time.perf_counter()
         try:
             more = self.reader.poll().more
-            ok = True
+            ok = self._spool_present()
             self._failures = 0
+            self.ready.set()  # the journal is open and a poll has committed
         except Exception as exc:
             ok = False
             self._failures += 1
@@ -140,7 +256,7 @@ class Daemon:
             started = time.perf_counter()
             try:
                 self.logs.poll()
-                ok = True
+                ok = self.logs.all_present()
             except Exception as exc:
                 ok = False
                 self.log.error("logs.poll_failed", error=str(exc), error_type=type(exc).__name__)
@@ -167,6 +283,27 @@ class Daemon:
                 self.log.error("journal.prune_failed", error=str(exc))
             self._done("journal", ok, started)
         return more
+
+    def _spool_present(self) -> bool:
+        """False (collector_success 0, a warning) while the spool folder is missing; takes the
+        folder's lock when it appears, and stops the daemon if another one holds it."""
+        if self._spool_lock is None:
+            try:
+                self._spool_lock = lock_spool(self.config.spool_dir)
+            except DaemonError as exc:
+                self.log.error("daemon.spool_taken", error=str(exc))
+                self._exit_code = 1
+                self.stop.set()
+                return False
+        present = self._spool_lock is not None and os.path.isdir(self.config.spool_dir)
+        if not present and not self._spool_missing:
+            self.log.warning(
+                "spool.missing",
+                spool_dir=self.config.spool_dir,
+                message="no spool folder: nothing is being verified until the engines create it",
+            )
+        self._spool_missing = not present
+        return present
 
     def _done(self, collector: str, ok: bool, started: float) -> None:
         with self.state.lock:

@@ -2,13 +2,13 @@
 
     kvwatch dashboards push --url https://grafana.example.com --token-file /run/secrets/grafana
 
-Through grafana-client (the ``dashboards`` extra), against Grafana's HTTP API:
+Through grafana-client, against Grafana's HTTP API:
 
 1. the folder (uid and title ``kvwatch`` by default) is created unless it exists;
 2. every ``*.json`` dashboard in ``--dashboards-dir`` is saved into it (``overwrite``: the uid is
    the identity, so a push replaces the previous version);
-3. the Grafana-managed alert rules (``alerts/grafana/kvwatch-alert-rules.json``, generated from the
-   same definitions as the Prometheus rules) are written as one rule group in that folder, each
+3. the Grafana-managed alert rules (``kvwatch export grafana-alerts`` writes them; generated from
+   the same definitions as the Prometheus rules) are written as one rule group in that folder, each
    query pointed at ``--datasource-uid``.
 
 The token is a Grafana service-account token (Editor role, or Admin for the alert rules), read
@@ -24,9 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_CHECKOUT = Path(__file__).resolve().parent.parent
-DEFAULT_DASHBOARDS = _CHECKOUT / "dashboards"
-DEFAULT_ALERT_RULES = _CHECKOUT / "alerts" / "grafana" / "kvwatch-alert-rules.json"
+from kvwatch import assets
+
 DEFAULT_FOLDER = "kvwatch"
 DEFAULT_DATASOURCE_UID = "prometheus"
 EXPRESSION_UID = "__expr__"
@@ -133,48 +132,96 @@ def run(args: argparse.Namespace) -> int:
         from grafana_client.client import GrafanaException
     except ImportError:
         print(
-            "kvwatch dashboards push needs grafana-client: pip install 'kvwatch[dashboards]'",
+            "kvwatch dashboards push: grafana-client (a kvwatch dependency) is missing; "
+            "reinstall kvwatch",
             file=sys.stderr,
         )
-        return 2
+        return 1  # a broken installation, not a usage error
     import niquests
 
     try:
-        token = args.token_file.read_text(encoding="utf-8").strip()
+        try:
+            token = args.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PushError(f"cannot read the token file {args.token_file}: {_reason(e)}") from e
         if not token:
             raise PushError(f"{args.token_file} is empty")
-        boards = load_dashboards(args.dashboards_dir)
+        boards = load_dashboards(args.dashboards_dir or assets.directory("dashboards"))
         groups: list[dict[str, Any]] = []
         if not args.no_alert_rules:
+            rules = args.alert_rules or assets.path("grafana-alerts", "kvwatch-alert-rules.json")
             try:
-                provisioning = json.loads(args.alert_rules.read_text(encoding="utf-8"))
+                provisioning = json.loads(rules.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
-                raise PushError(f"{args.alert_rules}: {e} (pass --alert-rules)") from e
+                raise PushError(f"{rules}: {_reason(e)} (pass --alert-rules)") from e
             groups = rule_groups(provisioning, args.folder, args.datasource_uid)
         api: Any = GrafanaApi.from_url(args.url, credential=token, timeout=args.timeout)
         for line in push(api, boards, groups, args.folder, args.folder_title):
             print(line)
-    except (GrafanaException, niquests.exceptions.RequestException) as e:
-        # Before OSError: niquests' connection errors are OSErrors too.
-        print(f"kvwatch dashboards push: Grafana at {args.url}: {e}", file=sys.stderr)
+    except niquests.exceptions.RequestException as e:
+        # Before OSError: niquests' connection errors are OSErrors too. Their text is the
+        # transport's internals (pools, retries); say what an operator can act on.
+        reason = "timed out" if isinstance(e, niquests.exceptions.Timeout) else "unreachable"
+        print(
+            f"kvwatch dashboards push: Grafana at {args.url} is {reason} "
+            f"({type(e).__name__}); check --url and that Grafana is up",
+            file=sys.stderr,
+        )
         return 1
-    except (OSError, PushError) as e:
-        print(f"kvwatch dashboards push: {e}", file=sys.stderr)
+    except GrafanaException as e:
+        print(f"kvwatch dashboards push: Grafana at {args.url}: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except (OSError, PushError, assets.AssetError) as e:
+        print(f"kvwatch dashboards push: {_one_line(e)}", file=sys.stderr)
         return 1
     return 0
 
 
+def _reason(e: BaseException) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else _one_line(e)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return value
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``dashboards push`` to the ``kvwatch`` command's subparsers; returns ``dashboards``."""
+    from kvwatch.clihelp import Formatter
+
     dashboards: argparse.ArgumentParser = subparsers.add_parser(
-        "dashboards", help="kvwatch's Grafana dashboards and alert rules"
+        "dashboards",
+        help="kvwatch's Grafana dashboards and alert rules",
+        description="Put kvwatch's dashboards and Grafana alert rules into Grafana.",
+        epilog="example:\n  kvwatch dashboards push --url https://grafana:3000 --token-file token",
+        formatter_class=Formatter,
     )
     commands = dashboards.add_subparsers(dest="dashboards_command", required=True)
     p = commands.add_parser(
         "push",
         help="upload the dashboards and the Grafana alert rules to Grafana",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Create the folder unless it exists, save every dashboard into it (the uid is the "
+            "identity: a push replaces the previous version), and write the Grafana-managed "
+            "alert rules as one rule group querying --datasource-uid. The token is a Grafana "
+            "service-account token (Editor, or Admin for the alert rules), read from a file so "
+            "that it never shows in ps or shell history."
+        ),
+        epilog=(
+            "examples:\n  kvwatch dashboards push --url https://grafana.example.com:3000 "
+            "--token-file /run/secrets/grafana-token"
+        ),
+        formatter_class=Formatter,
     )
     p.add_argument("--url", required=True, help="Grafana's base URL, e.g. https://grafana:3000")
     p.add_argument(
@@ -192,11 +239,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=DEFAULT_DATASOURCE_UID,
         help="uid of the Prometheus data source the alert rules query (default: %(default)s)",
     )
-    p.add_argument("--dashboards-dir", type=Path, default=DEFAULT_DASHBOARDS)
-    p.add_argument("--alert-rules", type=Path, default=DEFAULT_ALERT_RULES)
+    p.add_argument(
+        "--dashboards-dir",
+        type=Path,
+        help="folder of dashboard JSON to push (default: the dashboards installed with kvwatch)",
+    )
+    p.add_argument(
+        "--alert-rules",
+        type=Path,
+        help="Grafana alert provisioning JSON (default: the rules installed with kvwatch)",
+    )
     p.add_argument("--no-alert-rules", action="store_true", help="push the dashboards only")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP request")
-    p.set_defaults(func=run)
+    p.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=30.0,
+        help="seconds per HTTP request (default: %(default)s)",
+    )
+    p.set_defaults(func=run, _parser=p)
     return dashboards
 
 

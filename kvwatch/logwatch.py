@@ -124,6 +124,23 @@ class LogWatcher:
         self.log = structlog.get_logger("kvwatch.logs")
         self.watched = [(log, LogFollower(log.path), LogParser(log.role)) for log in logs]
         self._reported: dict[str, int] = {}
+        self._missing: set[str] = set()
+
+    def all_present(self) -> bool:
+        """Whether every watched file exists; a warning when one goes missing or comes back.
+
+        A missing log is not fatal (the engine may start later, or rotate), but it is never
+        silent: the daemon reports ``kvwatch_collector_success{collector="logs"} 0`` meanwhile.
+        """
+        missing = {log.path for log, _, _ in self.watched if not os.path.isfile(log.path)}
+        for path in sorted(missing - self._missing):
+            self.log.warning(
+                "logs.missing", path=path, message="no such file; it will be read once it appears"
+            )
+        for path in sorted(self._missing - missing):
+            self.log.info("logs.found", path=path)
+        self._missing = missing
+        return not missing
 
     def poll(self) -> int:
         """Read what is new in every log; returns the number of lines read."""

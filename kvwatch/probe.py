@@ -1,4 +1,4 @@
-"""``kvwatch probe``: the incident's marker test, pointed at a deployment you own.
+"""``kvwatch probe``: the marker test, pointed at a deployment you own.
 
 It plants unique markers in recent KV pages, then sends one prompt whose length lands between
 the KV pool size and the advertised context (the unsafe band), and reports what came back: the
@@ -376,25 +376,42 @@ def target_from_args(args: argparse.Namespace) -> tuple[int, int | None]:
 
 
 def add_parser(commands: Any) -> None:
+    from kvwatch.clihelp import Formatter
+
     parser = commands.add_parser(
         "probe",
-        help="send the incident's marker test to a deployment you own",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="send the marker test (does a long prompt read others' KV?) to a deployment you own",
+        description=__doc__.replace("``", "'"),
+        formatter_class=Formatter,
+        epilog="examples:\n  kvwatch probe --url http://127.0.0.1:8000 --from-logs prefill.log\n"
+        "  kvwatch probe --url http://127.0.0.1:8000 --pool-tokens 16384 --context-tokens 32768",
     )
+    parser.set_defaults(_parser=parser)
     parser.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--api", choices=["sglang", "openai"], default="sglang")
-    parser.add_argument("--model", help="model name for --api openai")
+    parser.add_argument(
+        "--api", choices=["sglang", "openai"], default="sglang", help="the router's API"
+    )
+    parser.add_argument("--model", help="model name for --api openai (default: none)")
     size = parser.add_argument_group("sizing (one of)")
-    size.add_argument("--prompt-tokens", type=int)
-    size.add_argument("--pool-tokens", type=int)
-    size.add_argument("--context-tokens", type=int)
-    size.add_argument("--from-logs", nargs="+", metavar="FILE")
-    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer.json")
-    parser.add_argument("--markers", type=int, default=16)
-    parser.add_argument("--marker-repeats", type=int, default=2000)
+    size.add_argument("--prompt-tokens", type=int, help="send a prompt of this many tokens")
+    size.add_argument(
+        "--pool-tokens", type=int, help="the KV pool, in tokens (with --context-tokens)"
+    )
+    size.add_argument("--context-tokens", type=int, help="the advertised context length, in tokens")
+    size.add_argument(
+        "--from-logs", nargs="+", metavar="FILE", help="engine logs to read pool and context from"
+    )
+    parser.add_argument(
+        "--tokenizer", help="a local Hugging Face tokenizer.json (default: calibrate)"
+    )
+    parser.add_argument(
+        "--markers", type=int, default=16, help="marker requests planted before the long prompt"
+    )
+    parser.add_argument(
+        "--marker-repeats", type=int, default=2000, help="times each marker is repeated"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="the report as JSON")
     parser.add_argument(
         "--i-own-this-deployment",
         action="store_true",
@@ -403,7 +420,23 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(func=main)
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``--url`` cannot be probed, or None."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"--url {url!r} is not an HTTP URL (expected e.g. http://127.0.0.1:8000)"
+    try:
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError:
+        return f"--url {url!r} has a bad port"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
+    problem = url_problem(args.url)
+    if problem:
+        print(f"kvwatch probe: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     if not is_loopback(args.url) and not args.i_own_this_deployment:
         print(
             f"kvwatch probe: refusing to probe {args.url}: it is not on loopback. Run it only "
@@ -411,10 +444,17 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    try:
+        target, pool = target_from_args(args)
+    except ProbeError as exc:  # no sizing given, or logs that do not size it: usage
+        print(f"kvwatch probe: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, ValueError) as exc:
+        print(f"kvwatch probe: --from-logs: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     progress = Progress(enabled=not args.json and sys.stderr.isatty())
     api = HttpApi(args.url, args.api, args.timeout, args.model)
     try:
-        target, pool = target_from_args(args)
         counter = load_tokenizer(args.tokenizer) if args.tokenizer else None
         report = run(
             api,

@@ -1,14 +1,20 @@
-"""The daemon's status page at ``/``: the node's integrity at a glance, for a node with no Grafana.
+"""The daemon's HTTP surface and its status page, for a node with no Grafana.
 
-Three parts: the integrity state (any mismatch, aborted admission or lost record turns it red),
-pool against context for each engine role with the unsafe band drawn (like the incident's
-checker), and the latest incidents from the journal. Server-rendered HTML with inline SVG: no
-script, no external asset, refreshed by the browser every few seconds.
+Paths: ``/metrics`` (Prometheus), ``/`` (this page; JSON with ``Accept: application/json``, which
+``kvwatch status`` reads), ``/-/healthy`` (the process serves), ``/-/ready`` (the journal is
+open and the first poll committed); anything else is 404.
+
+The page: a headline that is the worst of four checks (integrity; the unsafe band; coverage: a
+live producer, a detector that verifies, the spool present; freshness of the last record), each
+with the line an on-call needs; pool against context for each engine role with the unsafe band
+drawn; the latest incidents from the journal. Server-rendered HTML with inline SVG: no script,
+no external asset, refreshed by the browser every few seconds.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import socket
 import ssl
 import threading
@@ -26,6 +32,10 @@ from kvwatch.state import State
 
 LATEST_INCIDENTS = 50
 REFRESH_SECONDS = 5
+#: With a live producer, no record for this long means the hooks or the daemon have stalled.
+STALE_SECONDS = 120.0
+#: Check levels, best to worst; the headline takes the worst.
+LEVELS = ("ok", "warning", "alarm")
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -59,6 +69,132 @@ def health(state: State) -> Health:
         return Health(
             mismatches, aborted, lost, rejected, state.live_producers, state.last_record_ts
         )
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # integrity, unsafe_band, coverage, freshness
+    level: str  # one of LEVELS
+    line: str  # what an on-call needs to read
+
+
+@dataclass(frozen=True)
+class Summary:
+    checks: tuple[Check, ...]
+
+    @property
+    def level(self) -> str:
+        return max((c.level for c in self.checks), key=LEVELS.index)
+
+    @property
+    def headline(self) -> str:
+        worst = [c for c in self.checks if c.level == self.level]
+        if self.level == "ok":
+            return "OK: " + "; ".join(c.line for c in worst[:1])
+        return f"{self.level.upper()}: {worst[0].line}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "level": self.level,
+            "headline": self.headline,
+            "checks": [{"name": c.name, "level": c.level, "line": c.line} for c in self.checks],
+        }
+
+
+def summarize(state: State, now: float | None = None) -> Summary:
+    """The four checks, from the daemon's state alone."""
+    now = time.time() if now is None else now
+    h = health(state)
+    checks = [_integrity(h), _band(state), _coverage(state, h), _freshness(h, now)]
+    return Summary(tuple(checks))
+
+
+def _integrity(h: Health) -> Check:
+    if not h.alarm:
+        return Check(
+            "integrity", "ok", "integrity: no KV mismatch, no aborted admission, no lost record"
+        )
+    parts = []
+    if h.mismatches:
+        by = ", ".join(f"{d} {v:,.0f}" for d, v in sorted(h.mismatches.items()))
+        parts.append(f"{sum(h.mismatches.values()):,.0f} KV mismatch(es) ({by})")
+    if h.aborted_admissions:
+        parts.append(f"{h.aborted_admissions:,.0f} aborted request(s) admitted")
+    if h.lost_records:
+        parts.append(f"{h.lost_records:,.0f} spool record(s) lost")
+    return Check(
+        "integrity", "alarm", "INTEGRITY ALERT: " + ", ".join(parts) + "; see kvwatch incidents"
+    )
+
+
+def _band(state: State) -> Check:
+    latest, _ = engine_views(state)
+    worst: tuple[float, str] | None = None
+    for (role, engine, _model, _rank, _source), gauges in latest.items():
+        pool = gauges.get("kv_pool_tokens", 0.0)
+        context = gauges.get("context_length_tokens", 0.0)
+        if context > pool > 0:
+            share = (context - pool) / context
+            line = (
+                f"unsafe band on {role} ({engine}): prompts of {pool + 1:,.0f} to "
+                f"{context:,.0f} tokens ({share:.0%} of the window) pass the context check but "
+                "do not fit the KV pool; lower the context length or grow the pool"
+            )
+            if worst is None or share > worst[0]:
+                worst = (share, line)
+    if worst is None:
+        return Check("unsafe_band", "ok", "every reporting engine's pool holds its context")
+    return Check("unsafe_band", "warning", worst[1])
+
+
+def _coverage(state: State, h: Health) -> Check:
+    with state.lock:
+        spool_ok = state.collectors.get("spool", (True, 0.0))[0]
+        totals = state.hook_counter_totals()
+    if not spool_ok:
+        return Check(
+            "coverage",
+            "warning",
+            "the spool folder is missing or unreadable: nothing is verified "
+            "(see the daemon's log; the engines create it when they start)",
+        )
+    if h.live_producers == 0:
+        return Check(
+            "coverage",
+            "warning",
+            "no live producer: no engine hook is writing to the spool, nothing is verified",
+        )
+    verified: dict[str, float] = {}
+    skipped: dict[str, float] = {}
+    for (family, labels), value in totals.items():
+        if family == "kvwatch_verifications":
+            verified[labels[0]] = verified.get(labels[0], 0.0) + value
+        elif family == "kvwatch_verifications_skipped" and labels[-1] != "mode_off":
+            # labels: (detector, role, reason), as state.HOOK_COUNTERS names them
+            skipped[labels[0]] = skipped.get(labels[0], 0.0) + value
+    idle = sorted(d for d, n in skipped.items() if n and not verified.get(d))
+    if idle:
+        return Check(
+            "coverage",
+            "warning",
+            f"detector {', '.join(idle)} verifies nothing: every request is skipped "
+            "(kvwatch_verifications_skipped_total says why)",
+        )
+    return Check("coverage", "ok", f"{h.live_producers} live producer(s), every detector verifies")
+
+
+def _freshness(h: Health, now: float) -> Check:
+    if not h.last_record_ts:
+        return Check("freshness", "ok" if not h.live_producers else "warning", "no record yet")
+    age = max(0.0, now - h.last_record_ts)
+    if h.live_producers and age > STALE_SECONDS:
+        return Check(
+            "freshness",
+            "warning",
+            f"last record {age:,.0f}s ago although {h.live_producers} producer(s) are live: "
+            "the hooks or the daemon have stalled",
+        )
+    return Check("freshness", "ok", f"last record {age:,.0f}s ago")
 
 
 def _e(value: object) -> str:
@@ -133,6 +269,7 @@ header{color:#5a6270;margin-bottom:16px}
 section{background:#fff;border-radius:8px;padding:16px 20px;margin-bottom:16px;
  box-shadow:0 1px 2px rgba(0,0,0,.08)}
 #state.ok{border-left:8px solid #2e9e5b} #state.alarm{border-left:8px solid #d33a2c}
+#state.warning{border-left:8px solid #d99a00} li.warning{color:#8a5d00} li.alarm{color:#c0281b}
 #state h1{margin:0 0 6px;font-size:22px}
 .bad{color:#c0281b;font-weight:600} .good{color:#23804a}
 rect.context{fill:#c7cdd6} rect.pool{fill:#3b6fd4}
@@ -146,15 +283,10 @@ table{border-collapse:collapse;width:100%} th,td{text-align:left;padding:4px 8px
 
 def render(state: State, incidents: list[dict[str, Any]], error: str | None = None) -> str:
     h = health(state)
-    if h.alarm:
-        total = sum(h.mismatches.values())
-        headline = f"INTEGRITY ALERT: {total:,.0f} KV mismatch(es)"
-        if h.aborted_admissions:
-            headline += f", {h.aborted_admissions:,.0f} aborted request(s) admitted"
-        if h.lost_records:
-            headline += f", {h.lost_records:,.0f} spool record(s) lost"
-    else:
-        headline = "Integrity OK: no KV mismatch, no aborted admission, no lost record"
+    summary = summarize(state)
+    checks = "".join(
+        f'<li class="{c.level}" data-check="{c.name}">{_e(c.line)}</li>' for c in summary.checks
+    )
     by_detector = ", ".join(f"{d}: {v:,.0f}" for d, v in sorted(h.mismatches.items())) or "none"
     last = (
         time.strftime("%H:%M:%S UTC", time.gmtime(h.last_record_ts))
@@ -171,8 +303,9 @@ def render(state: State, incidents: list[dict[str, Any]], error: str | None = No
 <header>kvwatch {_e(__version__)} on <b>{_e(socket.gethostname())}</b> ·
  page made {time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())} ·
  <a href="/metrics">/metrics</a></header>
-<section id="state" class="{"alarm" if h.alarm else "ok"}">
-<h1>{_e(headline)}</h1>
+<section id="state" class="{summary.level}">
+<h1>{_e(summary.headline)}</h1>
+<ul id="checks">{checks}</ul>
 <div>mismatches by detector: <span id="by-detector">{_e(by_detector)}</span> ·
  live producers: {h.live_producers} · last record: {_e(last)} ·
  rejected records: {h.rejected_records:,.0f}</div>
@@ -203,19 +336,50 @@ def latest_incidents(journal_path: str | Path) -> tuple[list[dict[str, Any]], st
         journal.close()
 
 
-def make_app(metrics_app: WsgiApp, state: State, journal_path: str | Path) -> WsgiApp:
-    """``/`` is the status page; everything else goes to the Prometheus exposition app."""
+def _reply(
+    start_response: Callable[..., Any], status: str, content_type: str, body: bytes
+) -> list[bytes]:
+    start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+def make_app(
+    metrics_app: WsgiApp,
+    state: State,
+    journal_path: str | Path,
+    ready: Callable[[], bool] = lambda: True,
+) -> WsgiApp:
+    """The four paths (module docstring); 404 for anything else."""
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO", "/") not in ("/", "/index.html"):
+        path = environ.get("PATH_INFO", "/")
+        text = "text/plain; charset=utf-8"
+        if path == "/metrics":
             return metrics_app(environ, start_response)
+        if path == "/-/healthy":
+            return _reply(start_response, "200 OK", text, b"kvwatch is healthy.\n")
+        if path == "/-/ready":
+            if ready():
+                return _reply(start_response, "200 OK", text, b"kvwatch is ready.\n")
+            return _reply(
+                start_response,
+                "503 Service Unavailable",
+                text,
+                b"kvwatch is not ready: the first poll has not committed yet.\n",
+            )
+        if path != "/":
+            return _reply(
+                start_response,
+                "404 Not Found",
+                text,
+                b"404: kvwatch serves /metrics, / (status), /-/healthy and /-/ready.\n",
+            )
+        if "application/json" in environ.get("HTTP_ACCEPT", ""):
+            body = json.dumps(summarize(state).as_dict(), sort_keys=True).encode()
+            return _reply(start_response, "200 OK", "application/json", body)
         incidents, error = latest_incidents(journal_path)
         body = render(state, incidents, error).encode()
-        start_response(
-            "200 OK",
-            [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))],
-        )
-        return [body]
+        return _reply(start_response, "200 OK", "text/html; charset=utf-8", body)
 
     return app
 

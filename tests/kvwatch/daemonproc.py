@@ -13,6 +13,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """The real ``kvwatch`` command line, in a subprocess, from the checkout (``prefix``: e.g.
+    a command that changes user). Local HTTP never goes through a proxy."""
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "kvwatch.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={**os.environ, "NO_PROXY": "127.0.0.1,localhost", **(env or {})},
+    )
+
+
 class DaemonProcess:
     def __init__(self, tmp: Path, *args: str, journal: Path | None = None) -> None:
         self.spool = tmp / "spool"

@@ -7,6 +7,7 @@ import pytest
 from kvwatch.config import (
     DEFAULT_LISTEN,
     ConfigError,
+    check_retention,
     load,
     parse_duration,
     parse_listen,
@@ -52,6 +53,7 @@ def test_toml_file(tmp_path: Path) -> None:
         ("[[logs]]\nrole = 'decode'\n", "needs a path"),
         ("allowed_users = ['no-such-user-kvwatch']\n", "no user"),
         ("= broken", "kvwatch.toml"),
+        ('poll_interval = "fast"\n', "poll_interval: not a duration"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
@@ -62,7 +64,7 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) ->
 
 
 def test_durations_and_log_flags() -> None:
-    assert parse_duration("90") == 90
+    assert parse_duration("90s") == 90
     assert parse_duration("15m") == 900
     assert parse_duration("1h") == 3600
     assert parse_duration("250ms") == 0.25
@@ -70,6 +72,75 @@ def test_durations_and_log_flags() -> None:
     assert (flag.role, flag.engine, flag.path) == ("decode", "vllm", "/var/log/d.log")
     assert parse_log_flag("prefill:/p.log").path == "/p.log"
     assert parse_log_flag("/only.log").role == "other"
+    assert parse_log_flag("prefill:/a:b.log").path == "/a:b.log"
+
+
+@pytest.mark.parametrize("value", ["30", 30, "0", 0.5, True])
+def test_a_duration_without_a_unit_is_refused(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"retention: .*(no unit|not a duration)"):
+        parse_duration(value, setting="retention")
+
+
+def test_short_retention_needs_confirmation() -> None:
+    config = load(None)
+    config.retention = 30.0  # what "--retention 30s" gives
+    with pytest.raises(ConfigError, match="within the hour; pass --allow-short-retention"):
+        check_retention(config, allow_short=False)
+    check_retention(config, allow_short=True)
+    config.retention = 0.0
+    with pytest.raises(ConfigError, match="more than 0"):
+        check_retention(config, allow_short=True)
+    config.retention = 3600.0
+    check_retention(config, allow_short=False)
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("prefill:sgl:/x.log", "unknown engine 'sgl' (did you mean 'sglang'?)"),
+        ("prefil:sglang:/x.log", "unknown role 'prefil' (did you mean 'prefill'?)"),
+        ("warmup:/x.log", "unknown role 'warmup' (one of: decode, other, prefill, unified)"),
+        ("x.log", "expected ROLE:ENGINE:PATH"),
+        ("prefill:sglang:", "empty path"),
+    ],
+)
+def test_log_flags_are_validated(flag: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_log_flag(flag)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('retension = "30d"\n', "unknown setting 'retension' (did you mean 'retention'?)"),
+        ("retention = 30\n", "retention: 30 has no unit"),
+        ('nvml = "false"\n', "nvml: expected true or false"),
+        ("quarantine_max = '3'\n", "quarantine_max: expected a whole number"),
+        ("journal = 5\n", "journal: expected a string"),
+        ("allowed_users = 'root'\n", "allowed_users: expected a list"),
+        ("[[logs]]\npath = '/x'\nrole = 'decod'\n", "(did you mean 'decode'?)"),
+        ("[[logs]]\npath = '/x'\nengnie = 'vllm'\n", "(did you mean 'engine'?)"),
+        ('listen = "29321"\n', "expected HOST:PORT or :PORT"),
+    ],
+)
+def test_config_values_are_checked(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "kvwatch.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert message in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_config_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "kvwatch.toml"
+    path.write_bytes(b'journal = "/var/lib/\xff.db"\n')
+    with pytest.raises(ConfigError, match="is not UTF-8"):
+        load(path)
+
+
+def test_colon_port_means_every_interface() -> None:
+    assert parse_listen(":29400") == ("0.0.0.0", 29400)
 
 
 def test_allowed_users_take_names_and_numeric_uids(tmp_path: Path) -> None:

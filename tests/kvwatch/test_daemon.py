@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.nvml import Nvml
-from tests.kvwatch.daemonproc import REPO, DaemonProcess
+from tests.kvwatch.daemonproc import DaemonProcess, run_cli
 from tests.kvwatch.writer import spool_module
 
 SGLANG_LINE = (
@@ -41,13 +40,7 @@ def wait_for(daemon: DaemonProcess, name: str, value: float, timeout: float = 30
 
 
 def kvwatch(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvwatch.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    return run_cli(*args)
 
 
 @pytest.fixture
@@ -163,19 +156,19 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     config.write_text('listen = "nowhere"\n')
     result = kvwatch("daemon", "--config", str(config))
     assert result.returncode == 2
-    assert "listen must be HOST:PORT" in result.stderr
+    assert "listen: expected HOST:PORT or :PORT" in result.stderr
 
 
 def test_incidents_without_a_journal_is_a_clear_error(tmp_path: Path) -> None:
     result = kvwatch("incidents", "--journal", str(tmp_path / "none.db"))
-    assert result.returncode == 2
+    assert result.returncode == 1  # a runtime fault, not a usage error
     assert "no journal" in result.stderr
 
 
 def test_journal_path_that_is_a_directory_is_a_clear_error(tmp_path: Path) -> None:
     result = kvwatch("daemon", "--journal", str(tmp_path), "--spool-dir", str(tmp_path / "s"))
-    assert result.returncode == 2
-    assert result.stderr.startswith("kvwatch daemon:")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"kvwatch daemon: journal {tmp_path} is a directory")
 
 
 def test_port_in_use_is_a_clear_error(daemon: DaemonProcess, tmp_path: Path) -> None:
@@ -184,11 +177,11 @@ def test_port_in_use_is_a_clear_error(daemon: DaemonProcess, tmp_path: Path) -> 
         "--journal",
         str(tmp_path / "other.db"),
         "--spool-dir",
-        str(tmp_path / "spool"),
+        str(tmp_path / "other-spool"),
         "--listen",
         f"127.0.0.1:{daemon.port}",
         "--no-nvml",
     )
-    assert second.returncode == 2
+    assert second.returncode == 1
     assert "daemon.listen_failed" in second.stdout + second.stderr
     assert daemon.stop() == 0

@@ -79,7 +79,9 @@ def test_render_escapes_and_draws_the_band() -> None:
     page = render(state, [incident])
     assert "<script>alert" not in page
     dom = parse(page)
-    assert dom.ids["state"]["class"] == "ok"  # no mismatch counters in this state
+    # No mismatch, but a 35% unsafe band: the headline must not say OK.
+    assert dom.ids["state"]["class"] == "warning"
+    assert "WARNING: unsafe band on prefill (sglang)" in "".join(dom.text)
     assert dom.pool_rows[0]["data-band"] == "367296"
     assert "35% of the window" in "".join(dom.text)
     assert "<script>alert(1)</script>" in dom.cells

@@ -1,0 +1,76 @@
+"""The files an operator installs besides the code: dashboards, alert rules, deploy examples.
+
+The wheel carries them under ``kvwatch/assets/`` (pyproject.toml maps them there); a checkout
+keeps the one copy at the repository's top level, where the generators write them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Final
+
+_PACKAGED: Final = Path(__file__).resolve().parent / "assets"
+_CHECKOUT: Final = Path(__file__).resolve().parent.parent
+
+#: kind -> {file name in the wheel's kind folder: path in a checkout}
+KINDS: Final[dict[str, dict[str, str]]] = {
+    "dashboards": {
+        "kvwatch-overview.json": "dashboards/kvwatch-overview.json",
+        "kvwatch-node.json": "dashboards/kvwatch-node.json",
+    },
+    "rules": {
+        "kvwatch.rules.yml": "alerts/kvwatch.rules.yml",
+        "prometheus.example.yml": "alerts/prometheus.example.yml",
+        "alertmanager.example.yml": "alerts/alertmanager.example.yml",
+        "runbook.md": "alerts/runbook.md",
+    },
+    "grafana-alerts": {
+        "kvwatch-alert-rules.json": "alerts/grafana/kvwatch-alert-rules.json",
+    },
+    "deploy": {
+        "kvwatch.service": "deploy/kvwatch.service",
+        "kvwatch.toml": "deploy/kvwatch.toml",
+        "kubernetes.yaml": "deploy/kubernetes.yaml",
+    },
+}
+
+DESCRIPTIONS: Final = {
+    "dashboards": "the Grafana dashboards' JSON (overview and node)",
+    "rules": "Prometheus alert and recording rules, a scrape config and Alertmanager routing",
+    "grafana-alerts": "the alert rules as Grafana alerting provisioning (JSON)",
+    "deploy": "the systemd unit, the daemon's TOML config and the Kubernetes DaemonSet",
+}
+
+
+class AssetError(Exception):
+    pass
+
+
+def path(kind: str, name: str) -> Path:
+    """Where one file is: in the installed package, else in the checkout."""
+    packaged = _PACKAGED / kind / name
+    if packaged.is_file():
+        return packaged
+    checkout = _CHECKOUT / KINDS[kind][name]
+    if checkout.is_file():
+        return checkout
+    raise AssetError(f"{kind}/{name} is missing from this installation ({packaged})")
+
+
+def directory(kind: str) -> Path:
+    """The folder holding every file of ``kind`` (the dashboards push reads a folder)."""
+    return path(kind, next(iter(KINDS[kind]))).parent
+
+
+def export(kind: str, destination: Path, *, force: bool = False) -> list[Path]:
+    """Copy every file of ``kind`` into ``destination`` (created); returns the files written."""
+    sources = [path(kind, name) for name in KINDS[kind]]
+    targets = [destination / name for name in KINDS[kind]]
+    clobbered = [str(t) for t in targets if t.exists()]
+    if clobbered and not force:
+        raise AssetError(f"{clobbered[0]} exists; pass --force to overwrite")
+    destination.mkdir(parents=True, exist_ok=True)
+    for source, target in zip(sources, targets, strict=True):
+        shutil.copyfile(source, target)
+    return targets

@@ -1,0 +1,154 @@
+"""The status headline is the worst of integrity, unsafe band, coverage and freshness, built
+from the daemon's real state after real spool records (the spool reader, not a hand-made dict)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvwatch.spool_reader import SpoolReader
+from kvwatch.state import State
+from kvwatch.statuspage import STALE_SECONDS, summarize
+from tests.kvwatch.daemonproc import REPO
+from tests.kvwatch.spoolgen import Producer
+
+
+def levels(state: State, now: float) -> dict[str, str]:
+    return {c.name: c.level for c in summarize(state, now).checks}
+
+
+def fresh(state: State) -> float:
+    return state.last_record_ts + 1.0
+
+
+def test_no_producer_is_not_ok(state: State) -> None:
+    summary = summarize(state, time.time())
+    assert summary.level == "warning"
+    assert summary.headline.startswith("WARNING: no live producer")
+
+
+def test_clean_traffic_is_ok(spool: Path, state: State, reader: SpoolReader) -> None:
+    producer = Producer(spool)
+    hello = producer.hello()
+    clean = producer.frame(
+        "counters",
+        {"counters": [["verifications", {"detector": d}, 10] for d in ("canary", "checksum")]},
+    )
+    producer.append(hello, clean, producer.gauges(2_000_000, 131_072))
+    reader.poll()
+    summary = summarize(state, fresh(state))
+    assert summary.level == "ok", summary.as_dict()
+    assert summary.headline.startswith("OK: integrity: no KV mismatch")
+
+
+def test_detector_verifying_nothing(spool: Path, state: State, reader: SpoolReader) -> None:
+    producer = Producer(spool)
+    hello = producer.hello()
+    skipped = producer.frame(
+        "counters",
+        {
+            "counters": [
+                ["verifications", {"detector": "canary"}, 10],
+                ["verifications_skipped", {"detector": "checksum", "reason": "no_seal"}, 10],
+            ]
+        },
+    )
+    producer.append(hello, skipped)
+    reader.poll()
+    summary = summarize(state, fresh(state))
+    assert levels(state, fresh(state))["coverage"] == "warning"
+    assert "detector checksum verifies nothing" in summary.headline
+
+
+def test_stale_records_with_a_live_producer(spool: Path, state: State, reader: SpoolReader) -> None:
+    producer = Producer(spool)
+    producer.append(producer.hello(), producer.frame("counters", {"counters": []}))
+    reader.poll()
+    later = state.last_record_ts + STALE_SECONDS + 60
+    assert state.live_producers == 1
+    assert levels(state, later)["freshness"] == "warning"
+    assert "have stalled" in summarize(state, later).headline
+
+
+def test_integrity_outranks_everything(spool: Path, state: State, reader: SpoolReader) -> None:
+    producer = Producer(spool)
+    producer.append(
+        producer.hello(), producer.counters(10, mismatches=3), producer.gauges(681_280, 1_048_576)
+    )
+    reader.poll()
+    summary = summarize(state, fresh(state))
+    assert summary.level == "alarm"
+    assert levels(state, fresh(state))["unsafe_band"] == "warning"
+    assert summary.headline.startswith("ALARM: INTEGRITY ALERT: 3 KV mismatch(es) (canary 3)")
+
+
+def test_incidents_since_a_timestamp_and_by_kind(
+    spool: Path, state: State, reader: SpoolReader, tmp_path: Path
+) -> None:
+    journal_path = tmp_path / "journal.db"  # the conftest's journal
+    producer = Producer(spool)
+    producer.append(
+        producer.hello(),
+        producer.event("req-old"),  # at T0 + 2 s
+        producer.event("req-new", detector="checksum", kind="digest"),  # T0 + 3 s
+    )
+    reader.poll()
+
+    def ids(*args: str) -> list[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvwatch.cli", "incidents", "--journal", str(journal_path),
+             "--json", *args],
+            cwd=REPO, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return [row["request_id"] for row in json.loads(result.stdout)]
+
+    # spoolgen's T0 is 1_790_000_000 = 2026-09-21T14:13:20Z
+    assert ids() == ["req-old", "req-new"]
+    assert ids("--since", "2026-09-21T14:13:23Z") == ["req-new"]
+    assert ids("--since", "2026-09-21T16:13:23+02:00") == ["req-new"]
+    assert ids("--since", "2026-09-22") == []
+    assert ids("--kind", "digest") == ["req-new"]
+    assert ids("--detector", "canary") == ["req-old"]
+
+
+def test_daemon_logs_are_coloured_on_a_terminal(tmp_path: Path) -> None:
+    """No --log-format: a terminal gets coloured human lines (a pipe gets JSON, as every
+    DaemonProcess test shows)."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwatch.cli", "daemon", "--spool-dir", str(tmp_path / "s"),
+         "--journal", str(tmp_path / "j.db"), "--listen", "127.0.0.1:0", "--no-nvml"],
+        cwd=REPO, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+    )  # fmt: skip
+    os.close(follower)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"daemon.started" not in seen:
+            assert time.monotonic() < deadline, seen
+            ready, _, _ = select.select([leader], [], [], 0.5)
+            if ready:
+                seen += os.read(leader, 65536)
+    finally:
+        proc.terminate()
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            # keep reading: a daemon blocked on a full terminal cannot log its way out
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:
+                    break
+        if proc.poll() is None:
+            proc.kill()
+        returncode = proc.wait(10)
+        os.close(leader)
+    assert returncode == 0, seen[-2000:]
+    line = next(x for x in seen.splitlines() if b"daemon.started" in x)
+    assert b"\x1b[" in line and not line.lstrip().startswith(b"{")
