@@ -219,7 +219,7 @@ class Stack:
             [
                 sys.executable, "-m", "kvwatch.cli", "daemon",
                 "--spool-dir", str(self.spool), "--journal", str(self.journal),
-                "--listen", f"127.0.0.1:{port}", "--poll-interval", "0.1",
+                "--listen", f"127.0.0.1:{port}", "--poll-interval", "0.1s",
                 "--log", f"prefill:sglang:{self.logs / 'prefill.log'}",
                 "--log", f"decode:sglang:{self.logs / 'decode.log'}",
             ],

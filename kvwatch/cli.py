@@ -417,14 +417,15 @@ def _add_daemon(commands: Any) -> None:
     d.add_argument(
         "--poll-interval",
         dest="poll_interval",
-        metavar="SECONDS",
-        help="seconds between spool polls, or a duration such as 250ms (default: 0.25)",
+        metavar="DURATION",
+        help="time between spool polls, with a unit, e.g. 250ms (default: 250ms)",
     )
     d.add_argument(
         "--idle-grace",
         dest="idle_grace",
-        metavar="SECONDS",
-        help="seconds before a silent producer's open segment counts as abandoned (default: 5)",
+        metavar="DURATION",
+        help="how long a silent producer's unlocked segment waits before it counts as abandoned,"
+        " with a unit (default: 5s)",
     )
     d.add_argument(
         "--allowed-user",

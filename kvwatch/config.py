@@ -79,20 +79,6 @@ def parse_duration(value: object, *, setting: str = "duration") -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def parse_seconds(value: object, *, setting: str) -> float:
-    """A number of seconds (``0.25``) or a duration with its unit (``250ms``)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        try:
-            seconds = float(str(value))
-        except ValueError:
-            seconds = parse_duration(value, setting=setting)
-    if not seconds >= 0:
-        raise ConfigError(f"{setting}: must be 0 or more seconds, got {value!r}")
-    return seconds
-
-
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT``; ``:PORT`` is every interface, as exporters read it."""
     host, sep, port = value.rpartition(":")
@@ -142,8 +128,7 @@ class Config:
         return self.allowed_uids or [os.geteuid()]
 
 
-_DURATIONS: Final = {"retention", "records_retention"}
-_SECONDS: Final = {"poll_interval", "idle_grace"}
+_DURATIONS: Final = {"retention", "records_retention", "poll_interval", "idle_grace"}
 _STRINGS: Final = {
     "spool_dir",
     "journal",
@@ -180,8 +165,6 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
     for key, value in data.items():
         if key in _DURATIONS:
             setattr(config, key, parse_duration(value, setting=key))
-        elif key in _SECONDS:
-            setattr(config, key, parse_seconds(value, setting=key))
         elif key == "allowed_users":
             config.allowed_uids = [_uid(u) for u in _list(key, value)]
         elif key == "logs":

@@ -46,7 +46,7 @@ class DaemonProcess:
             "--listen",
             "127.0.0.1:0",
             "--poll-interval",
-            "0.05",
+            "0.05s",
             *args,
         ]
         self._log = self.log_path.open("w")

@@ -69,7 +69,7 @@ def test_help_runs(words: str) -> None:
 def test_daemon_help_states_the_defaults_that_come_from_config() -> None:
     text = COMMANDS["daemon"].format_help()
     shown = (
-        "default: 30d", "default: 2d", "default: 0.25", "default: 127.0.0.1:29321",
+        "default: 30d", "default: 2d", "default: 250ms", "default: 5s", "default: 127.0.0.1:29321",
         "default: /run/kvwatch/spool", ":PORT means every interface", "SIGHUP",
     )  # fmt: skip
     for words in shown:

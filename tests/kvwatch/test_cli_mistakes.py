@@ -78,7 +78,8 @@ MISTAKES: list[Mistake] = [
     Mistake((*D, "--log", "prefil:/x.log"), 2, "unknown role 'prefil' (did you mean 'prefill'?)"),
     Mistake((*D, "--log", "x.log"), 2, "expected ROLE:ENGINE:PATH, ROLE:PATH or an absolute PATH"),
     Mistake((*D, "--poll-interval", "fast"), 2, "poll_interval: not a duration"),
-    Mistake((*D, "--idle-grace", "-1"), 2, "idle_grace: must be 0 or more seconds"),
+    Mistake((*D, "--idle-grace", "-1"), 2, "idle_grace: not a duration"),
+    Mistake((*D, "--poll-interval", "0.25"), 2, "poll_interval: '0.25' has no unit"),
     Mistake((*D, "--allowed-user", "no-such-user-kvw"), 2, "no user 'no-such-user-kvw'"),
     # daemon: the config file
     Mistake((*D, "--config", "{t}/none.toml"), 2, "cannot read config {t}/none.toml"),

@@ -47,7 +47,7 @@ def test_kill9_during_a_burst_loses_and_repeats_nothing(tmp_path: Path) -> None:
     kills = 0
     kill_records: list[int] = []
     in_flight = 0  # kills that landed while records were flowing
-    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.5", journal=journal_path)
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.5s", journal=journal_path)
     try:
         # Kill at random moments while the producers write and on through the catch-up, until
         # at least MIN_KILLS kills landed mid-stream (records committed, more still to come).
@@ -63,7 +63,7 @@ def test_kill9_during_a_burst_loses_and_repeats_nothing(tmp_path: Path) -> None:
                 in_flight += 1
             kill_records.append(committed)
             daemon = DaemonProcess(
-                tmp_path, "--no-nvml", "--idle-grace", "0.5", journal=journal_path
+                tmp_path, "--no-nvml", "--idle-grace", "0.5s", journal=journal_path
             )
             if in_flight >= MIN_KILLS or not pending:
                 break

@@ -108,7 +108,7 @@ def browser(*args: str) -> subprocess.CompletedProcess[str]:
 def test_status_page_in_chromium(tmp_path: Path) -> None:
     # The walkthrough exits at once; a long idle grace keeps its segment (and so its pool
     # gauges) live while a loaded machine takes seconds to start Chromium.
-    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "600")
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "600s")
     try:
         port = daemon.wait_started()
         # A real producer: the walkthrough's hooks write mismatches and the Workers AI pool.

@@ -29,7 +29,7 @@ def soak(
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         root = workdir or Path(tmp)
-        daemon = DaemonProcess(root, "--no-nvml", "--idle-grace", "1")
+        daemon = DaemonProcess(root, "--no-nvml", "--idle-grace", "1s")
         procs: list[subprocess.Popen[str]] = []
         samples: list[dict[str, float]] = []
         try:

@@ -76,7 +76,7 @@ def label_values(text: str) -> dict[str, set[str]]:
 
 
 def test_distinct_values_keep_series_and_memory_bounded(tmp_path: Path) -> None:
-    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.3")
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.3s")
     try:
         daemon.wait_started()
         writer = spool_module().SpoolWriter(

@@ -90,7 +90,7 @@ def test_a_hostile_spool_delays_a_good_producer_by_at_most_two_poll_intervals(
     spool.mkdir()
     add_junk(spool, ["fifo", "dir", "empty", "badname", "symlink", "private"])
     daemon = DaemonProcess(
-        tmp_path, "--no-nvml", "--poll-interval", str(POLL_INTERVAL), "--idle-grace", "0.5"
+        tmp_path, "--no-nvml", "--poll-interval", f"{POLL_INTERVAL}s", "--idle-grace", "0.5s"
     )
     stop = threading.Event()
     hostile = threading.Thread(target=hostile_writer, args=(spool, stop), daemon=True)

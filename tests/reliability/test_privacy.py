@@ -53,7 +53,7 @@ def test_prompt_sentinel_never_leaves_the_engine(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     daemon = DaemonProcess(
-        tmp_path, "--no-nvml", "--idle-grace", "0.3",
+        tmp_path, "--no-nvml", "--idle-grace", "0.3s",
         "--log", f"prefill:sglang:{logs / 'prefill.log'}",
         "--log", f"decode:sglang:{logs / 'decode.log'}",
     )  # fmt: skip

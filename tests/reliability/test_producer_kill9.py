@@ -59,7 +59,7 @@ def test_kill9_producer_mid_write_keeps_every_complete_record(tmp_path: Path) ->
             p.rename(tmp_path / p.name)
     for p in tmp_path.glob("*.kvs"):
         p.rename(spool / p.name)
-    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.3")
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.3s")
     try:
         daemon.wait_started()
         assert wait_for(lambda: not list(spool.glob("*.kvs")), 60), daemon.output()[-2000:]

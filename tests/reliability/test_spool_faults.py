@@ -58,7 +58,7 @@ def lost(daemon: DaemonProcess) -> float:
 
 def test_enospc_on_a_full_tmpfs_is_a_counted_gap(tmp_path: Path) -> None:
     with small_tmpfs(tmp_path / "spool") as spool:
-        daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.5")
+        daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.5s")
         try:
             daemon.wait_started()
             writer = spool_module().SpoolWriter(
@@ -82,7 +82,7 @@ def test_enospc_on_a_full_tmpfs_is_a_counted_gap(tmp_path: Path) -> None:
 
 
 def test_spool_directory_removed_under_a_running_writer(tmp_path: Path) -> None:
-    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.5")
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.5s")
     try:
         daemon.wait_started()
         daemon.spool.mkdir(exist_ok=True)
@@ -111,7 +111,9 @@ def test_spool_directory_made_read_only_under_a_running_writer() -> None:
         spool = root / "spool"
         spool.mkdir()
         os.chown(spool, NOBODY, NOBODY)
-        daemon = DaemonProcess(root, "--no-nvml", "--idle-grace", "0.5", "--allowed-user", "nobody")
+        daemon = DaemonProcess(
+            root, "--no-nvml", "--idle-grace", "0.5s", "--allowed-user", "nobody"
+        )
         try:
             daemon.wait_started()
             os.setegid(NOBODY)

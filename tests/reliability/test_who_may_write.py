@@ -39,7 +39,7 @@ def test_foreign_segments_and_symlinks_are_ignored_and_counted(tmp_path: Path) -
         (spool / f"planted-{i:04d}.000000.kvs").symlink_to(target)
     segment(spool, "trusted-0001", 20)  # the daemon's own uid: committed as usual
 
-    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.2")
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "0.2s")
     try:
         daemon.wait_started()
 

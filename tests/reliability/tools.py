@@ -180,7 +180,7 @@ def latency_under_daemon_conditions(
     the baseline: the bare ``os.write`` of a frame (``baseline_raw_write``)."""
     import signal
 
-    daemon = DaemonProcess(workdir, "--no-nvml", "--idle-grace", "0.5")
+    daemon = DaemonProcess(workdir, "--no-nvml", "--idle-grace", "0.5s")
     results: dict[str, dict[str, Any]] = {}
     try:
         daemon.wait_started()

@@ -128,7 +128,7 @@ def _start_daemon(tmp: Path, spool: str) -> tuple[subprocess.Popen[bytes], Path,
     log = tmp / "daemon.log"
     args = [str(MAIN_PYTHON), "-m", "kvwatch.cli", "daemon", "--spool-dir", spool]
     args += ["--journal", str(tmp / "journal.db"), "--listen", "127.0.0.1:0", "--no-nvml"]
-    args += ["--poll-interval", "0.05"]
+    args += ["--poll-interval", "0.05s"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env
