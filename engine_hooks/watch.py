@@ -230,9 +230,11 @@ class KVWatch:
         return _HOOK_DETECTORS.get(hook, ())
 
     @_hook("startup", lambda: None)
-    def report_pool(self, pool_tokens: int, context_length: int, page_size: int) -> PoolReport:
+    def report_pool(
+        self, pool_tokens: int, context_length_tokens: int, page_size: int
+    ) -> PoolReport:
         """Pool versus context, at engine start: the gauges and the unsafe band."""
-        self.pool_report = PoolReport(int(pool_tokens), int(context_length), int(page_size))
+        self.pool_report = PoolReport(int(pool_tokens), int(context_length_tokens), int(page_size))
         self._write_gauges()
         return self.pool_report
 

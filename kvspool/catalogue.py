@@ -328,9 +328,9 @@ FAMILY_BY_NAME: Final = {family.name: family for family in DAEMON_FAMILIES}
 
 
 @overload
-def unsafe_band(context_tokens: int, pool_tokens: int) -> int: ...
+def unsafe_band(context_length_tokens: int, pool_tokens: int) -> int: ...
 @overload
-def unsafe_band(context_tokens: float, pool_tokens: float) -> float: ...
-def unsafe_band(context_tokens: float, pool_tokens: float) -> float:
+def unsafe_band(context_length_tokens: float, pool_tokens: float) -> float: ...
+def unsafe_band(context_length_tokens: float, pool_tokens: float) -> float:
     """Tokens of prompt length that pass the context check but do not fit the pool."""
-    return max(context_tokens - pool_tokens, 0)
+    return max(context_length_tokens - pool_tokens, 0)

@@ -173,7 +173,7 @@ class LogWatcher:
                         engine=engine,
                         rank=view.rank,
                         pool_tokens=view.pool_tokens,
-                        context_tokens=view.context_tokens,
+                        context_length_tokens=view.context_length_tokens,
                         unsafe_band_tokens=view.band_tokens,
                     )
         return total

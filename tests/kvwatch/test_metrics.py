@@ -68,7 +68,7 @@ def fixed_state(spool: Path, journal: Journal) -> State:
     reader.clock_past = float("inf")  # keep FIXED_T0 as it is
     reader.poll()
     view = EngineView(role="prefill", rank=0, engine="vllm")
-    view.pool_tokens, view.context_tokens = 1234567, 131072
+    view.pool_tokens, view.context_length_tokens = 1234567, 131072
     state.logs["vllm.log"] = LogSource("prefill", "vllm", "llama", 0, view.gauges(), "0.33.0")
     state.collectors["spool"] = (True, 0.0)
     return state
