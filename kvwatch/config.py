@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
-from kvwatch.logwatch import WatchedLog
+from kvwatch.logwatch import EngineLog
 
 #: 9100-9999 is fully allocated on Prometheus's exporter port list; this one is outside it,
 #: below the Linux ephemeral range, and not a well-known default of any exporter.
@@ -76,7 +76,7 @@ class Config:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
-    logs: list[WatchedLog] = field(default_factory=list)
+    logs: list[EngineLog] = field(default_factory=list)
 
     @property
     def quarantine(self) -> str:
@@ -112,7 +112,7 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
         elif key == "allowed_users":
             config.allowed_uids = [_uid(u) for u in value]
         elif key == "logs":
-            config.logs = [_watched(entry) for entry in value]
+            config.logs = [_engine_log(entry) for entry in value]
         elif key == "nvml":
             config.nvml = bool(value)
         elif key in ("allowed_uids",):
@@ -125,7 +125,7 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
     return config
 
 
-def _watched(entry: object) -> WatchedLog:
+def _engine_log(entry: object) -> EngineLog:
     if isinstance(entry, str):
         return parse_log_flag(entry)
     if not isinstance(entry, dict) or "path" not in entry:
@@ -133,7 +133,7 @@ def _watched(entry: object) -> WatchedLog:
     extra = set(entry) - {"path", "role", "engine", "model"}
     if extra:
         raise ConfigError(f"[[logs]] unknown key(s): {', '.join(sorted(extra))}")
-    return WatchedLog(
+    return EngineLog(
         path=str(entry["path"]),
         role=str(entry.get("role", "other")),
         engine=str(entry.get("engine", "auto")),
@@ -141,14 +141,14 @@ def _watched(entry: object) -> WatchedLog:
     )
 
 
-def parse_log_flag(value: str) -> WatchedLog:
+def parse_log_flag(value: str) -> EngineLog:
     """``--log ROLE:ENGINE:PATH`` or ``--log ROLE:PATH`` or ``--log PATH``."""
     parts = value.split(":", 2)
     if len(parts) == 3 and parts[0] and parts[1] in ("sglang", "vllm", "auto"):
-        return WatchedLog(path=parts[2], role=parts[0], engine=parts[1])
+        return EngineLog(path=parts[2], role=parts[0], engine=parts[1])
     if len(parts) >= 2 and parts[0] in ("prefill", "decode", "unified"):
-        return WatchedLog(path=value.split(":", 1)[1], role=parts[0])
-    return WatchedLog(path=value)
+        return EngineLog(path=value.split(":", 1)[1], role=parts[0])
+    return EngineLog(path=value)
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:

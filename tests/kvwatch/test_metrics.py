@@ -15,7 +15,7 @@ from kvwatch.journal import Journal
 from kvwatch.logparse import EngineView
 from kvwatch.metrics import KvwatchCollector
 from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import LogSource, State
+from kvwatch.state import EngineLogView, State
 from tests.kvwatch.spoolgen import Producer
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.prom"
@@ -69,7 +69,7 @@ def fixed_state(spool: Path, journal: Journal) -> State:
     reader.poll()
     view = EngineView(role="prefill", rank=0, engine="vllm")
     view.pool_tokens, view.context_length_tokens = 1234567, 131072
-    state.logs["vllm.log"] = LogSource("prefill", "vllm", "llama", 0, view.gauges(), "0.33.0")
+    state.logs["vllm.log"] = EngineLogView("prefill", "vllm", "llama", 0, view.gauges(), "0.33.0")
     state.collectors["spool"] = (True, 0.0)
     return state
 
