@@ -326,6 +326,31 @@ DAEMON_FAMILIES: Final = (
 )
 FAMILY_BY_NAME: Final = {family.name: family for family in DAEMON_FAMILIES}
 
+#: The prefix of every family kvwatch exposes.
+PREFIX: Final = "kvwatch_"
+
+#: Every catalogued family, by its name without :data:`PREFIX`, and the name /metrics exposes
+#: for it (a counter's with ``_total``).
+EXPOSED: Final = {
+    family.removeprefix(PREFIX): family + ("_total" if counter else "")
+    for family, counter in (
+        *((series.family, True) for series in COUNTERS),
+        *((series.family, False) for series in GAUGES),
+        *((family.name, family.type == "counter") for family in DAEMON_FAMILIES),
+    )
+}
+
+
+def exposed(name: str) -> str:
+    """The name /metrics exposes for the catalogued family ``kvwatch_<name>`` (a counter's with
+    ``_total``), for queries written by the alerts and dashboards generators: a name the
+    catalogue does not hold fails at generation time instead of becoming a query that matches
+    nothing."""
+    try:
+        return EXPOSED[name]
+    except KeyError:
+        raise ValueError(f"no catalogued family {PREFIX}{name}") from None
+
 
 @overload
 def unsafe_band(context_length_tokens: int, pool_tokens: int) -> int: ...

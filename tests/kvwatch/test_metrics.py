@@ -147,3 +147,9 @@ def test_every_family_on_metrics_is_in_the_catalogue(spool: Path, journal: Journ
         | {f.name for f in catalogue.DAEMON_FAMILIES}
     )
     assert exposed == catalogued
+    # The names the alerts and dashboards generators query (catalogue.exposed) are the samples'.
+    samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples == set(catalogue.EXPOSED.values())
+    assert catalogue.exposed("mismatches") == "kvwatch_mismatches_total"
+    with pytest.raises(ValueError, match=r"kvwatch_mismatch$"):
+        catalogue.exposed("mismatch")
