@@ -19,9 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: alerts/kvwatch.rules.yml and Prometheus's ``up``: the dashboards and alerts may use these and
 #: nothing else.
 PUBLIC_METRICS = (
-    set(catalogue.EXPOSED.values())
-    | {"up"}
-    | {r.record for r in definitions.RECORDING_RULES}
+    set(catalogue.EXPOSED.values()) | {"up"} | {r.record for r in definitions.RECORDING_RULES}
 )
 
 PROMQL_WORDS = {
