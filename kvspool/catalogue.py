@@ -31,6 +31,14 @@ class Label:
         text = value if type(value) is str else str(value)
         return text if text in self.values else OTHER
 
+    def check(self, value: str) -> str:
+        """``value``, named in code where it is defined: a ValueError at import when it is not one
+        of this label's values, so a misspelt name never reaches a counter as ``other``."""
+        if value == OTHER or value not in self.values:
+            known = ", ".join(v for v in self.sorted_values if v != OTHER)
+            raise ValueError(f"{value!r} is not a catalogued {self.name} ({known})")
+        return value
+
 
 def _label(name: str, values: dict[str, str]) -> Label:
     return Label(name, {**values, OTHER: "a value outside the fixed set"})
@@ -58,6 +66,10 @@ DETECTOR: Final = _label(
         "engine_canary": "the engine's own canary, where it has one",
         "engine_checksum": "the engine's own checksum, where it has one",
     },
+)
+#: The detectors kvwatch's engine hooks run; the other detectors are engines' own checks.
+HOOKED_DETECTORS: Final = tuple(
+    DETECTOR.check(name) for name in ("canary", "checksum", "page_tag", "admission")
 )
 KIND: Final = _label(
     "kind",
