@@ -11,6 +11,9 @@ points at the alert's section of ``alerts/runbook.md`` under ``RUNBOOK_BASE``.
 Description templates use Prometheus's ``$value``; the Grafana generator rewrites it to
 ``$values.B.Value`` (the reduced query result). ``$labels.x`` is the same in both.
 
+Metric names come from kvspool's catalogue through ``exposed()``: a family it does not hold fails
+here, at generation time.
+
 Label contract with Prometheus: every kvwatch target carries a ``node`` target label (set per target
 in the scrape config or by the ServiceMonitor's relabelling) and ``job="kvwatch"``.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass, field
+
+from kvspool.catalogue import exposed
 
 RUNBOOK_BASE = "https://github.com/kvwatch/kvwatch/blob/main/alerts/runbook.md"
 """Where ``runbook_url`` points: the runbook in the repository, one anchor per alert."""
@@ -94,16 +99,16 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
     RecordingRule(
         "node_role_detector:kvwatch_verifications:rate5m",
         _q(
-            """
-            sum by (node, role, detector) (rate(kvwatch_verifications_total[5m]))
+            f"""
+            sum by (node, role, detector) (rate({exposed("verifications")}[5m]))
             """
         ),
     ),
     RecordingRule(
         "node_role_detector:kvwatch_verifications_skipped:rate5m",
         _q(
-            """
-            sum by (node, role, detector) (rate(kvwatch_verifications_skipped_total[5m]))
+            f"""
+            sum by (node, role, detector) (rate({exposed("verifications_skipped")}[5m]))
             """
         ),
     ),
@@ -137,7 +142,7 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         "kvwatch:engine_info:vulnerable_pd",
         _q(
             f"""
-            kvwatch_engine_info{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{VULNERABLE_RELEASE_RE}`}}
+            {exposed("engine_info")}{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{VULNERABLE_RELEASE_RE}`}}
             """  # noqa: E501
         ),
     ),
@@ -145,7 +150,7 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         "kvwatch:engine_info:below_floor_pd",
         _q(
             f"""
-            kvwatch_engine_info{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{BELOW_FLOOR_RELEASE_RE}`}}
+            {exposed("engine_info")}{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{BELOW_FLOOR_RELEASE_RE}`}}
             """  # noqa: E501
         ),
     ),
@@ -158,8 +163,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVIntegrityMismatch",
         severity="critical",
         expr=_q(
-            """
-            sum by (node, role, detector, kind) (increase(kvwatch_mismatches_total[5m])) > 0
+            f"""
+            sum by (node, role, detector, kind) (increase({exposed("mismatches")}[5m])) > 0
             """
         ),
         summary="A request read KV-cache pages that it did not write: another user's data may "
@@ -175,8 +180,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVPoolSmallerThanContext",
         severity="critical",
         expr=_q(
-            """
-            max by (node, role, engine, model) (kvwatch_unsafe_band_tokens) > 0
+            f"""
+            max by (node, role, engine, model) ({exposed("unsafe_band_tokens")}) > 0
             """
         ),
         summary="The KV pool is smaller than the advertised context length: an unsafe band of "
@@ -192,8 +197,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVAbortedRequestAdmitted",
         severity="critical",
         expr=_q(
-            """
-            sum by (node, role, queue) (increase(kvwatch_aborted_admissions_total[5m])) > 0
+            f"""
+            sum by (node, role, queue) (increase({exposed("aborted_admissions")}[5m])) > 0
             """
         ),
         summary="An aborted (rejected) request was admitted into the prefill/decode handoff.",
@@ -208,8 +213,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVSpoolRecordsLost",
         severity="critical",
         expr=_q(
-            """
-            sum by (node) (increase(kvwatch_spool_lost_records_total[5m])) > 0
+            f"""
+            sum by (node) (increase({exposed("spool_lost_records")}[5m])) > 0
             """
         ),
         summary="kvwatch lost records between the engine hooks and the daemon: detections may be "
@@ -259,10 +264,10 @@ ALERTS: tuple[Alert, ...] = (
         for_="15m",
         expr=_q(
             f"""
-            group by (node, role, engine, model, version) (kvwatch_engine_info{{role=~"{PD_ROLES}"}})
+            group by (node, role, engine, model, version) ({exposed("engine_info")}{{role=~"{PD_ROLES}"}})
               * on (engine, model) group_left ()
             count by (engine, model) (
-              group by (engine, model, version) (kvwatch_engine_info{{role=~"{PD_ROLES}"}})
+              group by (engine, model, version) ({exposed("engine_info")}{{role=~"{PD_ROLES}"}})
             )
             > 1
             """  # noqa: E501
@@ -280,11 +285,11 @@ ALERTS: tuple[Alert, ...] = (
         severity="warning",
         for_="10m",
         expr=_q(
-            """
+            f"""
             node_role_detector:kvwatch_unverified_requests:rate5m
               and on (node, role, detector)
             sum by (node, role, detector) (
-              rate(kvwatch_verifications_skipped_total{reason!="mode_off"}[5m])
+              rate({exposed("verifications_skipped")}{{reason!="mode_off"}}[5m])
             ) > 0
             or
             node_role_detector:kvwatch_unverified_requests:rate5m
@@ -321,8 +326,8 @@ ALERTS: tuple[Alert, ...] = (
         severity="warning",
         for_="5m",
         expr=_q(
-            """
-            time() - max by (node) (kvwatch_last_record_timestamp_seconds) > 300
+            f"""
+            time() - max by (node) ({exposed("last_record_timestamp_seconds")}) > 300
             """
         ),
         summary="The engine hooks on a node have written nothing to the spool: its detectors "
@@ -336,8 +341,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVSpoolRecordsRejected",
         severity="warning",
         expr=_q(
-            """
-            sum by (node, reason) (increase(kvwatch_spool_rejected_total[10m])) > 0
+            f"""
+            sum by (node, reason) (increase({exposed("spool_rejected")}[10m])) > 0
             """
         ),
         summary="The kvwatch daemon rejected spool records (torn, corrupt or foreign).",

@@ -18,6 +18,8 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from kvspool.catalogue import exposed
+
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 JOB = 'job="kvwatch"'
 
@@ -72,7 +74,7 @@ def role_variable(node_matcher: str) -> dash.QueryVariable:
     return query_variable(
         "role",
         "Role",
-        f"label_values(kvwatch_engine_info{{{node_matcher}}}, role)",
+        f"label_values({exposed('engine_info')}{{{node_matcher}}}, role)",
         multi=True,
         include_all=True,
     )

@@ -24,6 +24,7 @@ from dashboards.common import (
     table_panel,
     timeseries_panel,
 )
+from kvspool.catalogue import exposed
 
 UID = "kvwatch-node"
 TITLE = "kvwatch / Node"
@@ -63,7 +64,7 @@ def build() -> dash.Dashboard:
             ids,
             "Mismatches",
             "KV integrity mismatches on this node in the time range (KVIntegrityMismatch).",
-            f"sum(increase(kvwatch_mismatches_total{{{ONE_NODE_ROLE}}}[$__range])) or vector(0)",
+            f"sum(increase({exposed('mismatches')}{{{ONE_NODE_ROLE}}}[$__range])) or vector(0)",
         )
     )
     board = board.with_panel(
@@ -71,7 +72,7 @@ def build() -> dash.Dashboard:
             ids,
             "Aborted requests admitted",
             "Aborted requests an admission queue let through on this node in the time range.",
-            f"sum(increase(kvwatch_aborted_admissions_total{{{ONE_NODE_ROLE}}}[$__range]))"
+            f"sum(increase({exposed('aborted_admissions')}{{{ONE_NODE_ROLE}}}[$__range]))"
             " or vector(0)",
         )
     )
@@ -81,7 +82,7 @@ def build() -> dash.Dashboard:
             "Incidents",
             "Incidents the daemon journalled on this node in the time range (`kvwatch incidents "
             "--since 1h` on the node lists them).",
-            f"sum(increase(kvwatch_incidents_total{{{ONE_NODE_ROLE}}}[$__range])) or vector(0)",
+            f"sum(increase({exposed('incidents')}{{{ONE_NODE_ROLE}}}[$__range])) or vector(0)",
         )
     )
     board = board.with_panel(
@@ -90,7 +91,7 @@ def build() -> dash.Dashboard:
             "Largest unsafe band",
             "Tokens by which the context length exceeds the KV pool, worst role on this node "
             "(KVPoolSmallerThanContext).",
-            f"max(kvwatch_unsafe_band_tokens{{{ONE_NODE_ROLE}}}) or vector(0)",
+            f"max({exposed('unsafe_band_tokens')}{{{ONE_NODE_ROLE}}}) or vector(0)",
         )
     )
     board = board.with_panel(
@@ -101,13 +102,13 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (role, detector, kind) "
-                    f"(increase(kvwatch_mismatches_total{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
+                    f"(increase({exposed('mismatches')}{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
                     "mismatch {{role}} {{detector}} {{kind}}",
                     "A",
                 ),
                 query(
                     "sum by (role, detector, kind) "
-                    f"(increase(kvwatch_incidents_total{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
+                    f"(increase({exposed('incidents')}{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
                     "incident {{role}} {{detector}} {{kind}}",
                     "B",
                 ),
@@ -123,13 +124,13 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (role, detector) "
-                    f"(rate(kvwatch_verifications_total{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
+                    f"(rate({exposed('verifications')}{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
                     "verified {{role}} {{detector}}",
                     "A",
                 ),
                 query(
                     "sum by (role, detector, reason) "
-                    f"(rate(kvwatch_verifications_skipped_total{{{ONE_NODE_ROLE}}}"
+                    f"(rate({exposed('verifications_skipped')}{{{ONE_NODE_ROLE}}}"
                     "[$__rate_interval]))",
                     "skipped {{role}} {{detector}} {{reason}}",
                     "B",
@@ -148,13 +149,13 @@ def build() -> dash.Dashboard:
             "band.",
             [
                 query(
-                    f"max by (role, rank, source) (kvwatch_kv_pool_tokens{{{ONE_NODE_ROLE}}})",
+                    f"max by (role, rank, source) ({exposed('kv_pool_tokens')}{{{ONE_NODE_ROLE}}})",
                     "pool {{role}} rank {{rank}} ({{source}})",
                     "A",
                 ),
                 query(
                     "max by (role, rank, source) "
-                    f"(kvwatch_context_length_tokens{{{ONE_NODE_ROLE}}})",
+                    f"({exposed('context_length_tokens')}{{{ONE_NODE_ROLE}}})",
                     "context {{role}} rank {{rank}} ({{source}})",
                     "B",
                 ),
@@ -169,7 +170,7 @@ def build() -> dash.Dashboard:
             [
                 instant_table_query(
                     "count by (role, engine, version, model) "
-                    f"(kvwatch_engine_info{{{ONE_NODE_ROLE}}})",
+                    f"({exposed('engine_info')}{{{ONE_NODE_ROLE}}})",
                     "A",
                 ),
             ],
@@ -184,7 +185,7 @@ def build() -> dash.Dashboard:
             "Tokens per KV page, per role and source.",
             [
                 instant_table_query(
-                    f"max by (role, source) (kvwatch_page_size_tokens{{{ONE_NODE_ROLE}}})", "A"
+                    f"max by (role, source) ({exposed('page_size_tokens')}{{{ONE_NODE_ROLE}}})", "A"
                 )
             ],
             rename={"Value": "tokens per page"},
@@ -202,7 +203,7 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (gpu, state) "
-                    f'(kvwatch_gpu_memory_bytes{{{ONE_NODE}, state=~"used|total"}})',
+                    f'({exposed("gpu_memory_bytes")}{{{ONE_NODE}, state=~"used|total"}})',
                     "GPU {{gpu}} {{state}}",
                 )
             ],
@@ -215,7 +216,7 @@ def build() -> dash.Dashboard:
             ids,
             "NVML",
             "1 when NVML answers; 0 on a node without NVIDIA GPUs or with a broken driver.",
-            f"max(kvwatch_nvml_up{{{ONE_NODE}}})",
+            f"max({exposed('nvml_up')}{{{ONE_NODE}}})",
             steps=[Threshold(value=None, color="orange"), Threshold(value=1, color="green")],
             width=6,
             height=8,
@@ -231,7 +232,7 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (hook) "
-                    f"(rate(kvwatch_hook_seconds_total{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
+                    f"(rate({exposed('hook_seconds')}{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
                     "{{hook}}",
                 )
             ],
@@ -246,18 +247,18 @@ def build() -> dash.Dashboard:
             "Records read, rejected and lost per second.",
             [
                 query(
-                    f"sum(rate(kvwatch_spool_records_total{{{ONE_NODE}}}[$__rate_interval]))",
+                    f"sum(rate({exposed('spool_records')}{{{ONE_NODE}}}[$__rate_interval]))",
                     "read",
                     "A",
                 ),
                 query(
                     "sum by (reason) "
-                    f"(rate(kvwatch_spool_rejected_total{{{ONE_NODE}}}[$__rate_interval]))",
+                    f"(rate({exposed('spool_rejected')}{{{ONE_NODE}}}[$__rate_interval]))",
                     "rejected {{reason}}",
                     "B",
                 ),
                 query(
-                    f"sum(rate(kvwatch_spool_lost_records_total{{{ONE_NODE}}}[$__rate_interval]))",
+                    f"sum(rate({exposed('spool_lost_records')}{{{ONE_NODE}}}[$__rate_interval]))",
                     "lost",
                     "C",
                 ),
@@ -273,9 +274,9 @@ def build() -> dash.Dashboard:
             "Scrape status, producers and seconds since the hooks' last record.",
             [
                 query(f"max(up{{{JOB}, {ONE_NODE}}})", "up", "A"),
-                query(f"max(kvwatch_producers{{{ONE_NODE}}})", "producers", "B"),
+                query(f"max({exposed('producers')}{{{ONE_NODE}}})", "producers", "B"),
                 query(
-                    f"time() - max(kvwatch_last_record_timestamp_seconds{{{ONE_NODE}}})",
+                    f"time() - max({exposed('last_record_timestamp_seconds')}{{{ONE_NODE}}})",
                     "seconds since last record",
                     "C",
                 ),

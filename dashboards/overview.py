@@ -26,6 +26,7 @@ from dashboards.common import (
     table_panel,
     timeseries_panel,
 )
+from kvspool.catalogue import exposed
 
 UID = "kvwatch-overview"
 TITLE = "kvwatch / Overview"
@@ -67,7 +68,7 @@ def build() -> dash.Dashboard:
             "Integrity mismatches",
             "KV integrity mismatches in the time range, all detectors (kvwatch and the engine's "
             "own). Above 0 a request read pages it did not write. Runbook: KVIntegrityMismatch.",
-            f"sum(increase(kvwatch_mismatches_total{{{NODE_ROLE}}}[$__range])) or vector(0)",
+            f"sum(increase({exposed('mismatches')}{{{NODE_ROLE}}}[$__range])) or vector(0)",
         )
     )
     board = board.with_panel(
@@ -76,8 +77,7 @@ def build() -> dash.Dashboard:
             "Aborted requests admitted",
             "Requests already marked for abort that an admission queue let through, in the time "
             "range. Runbook: KVAbortedRequestAdmitted.",
-            f"sum(increase(kvwatch_aborted_admissions_total{{{NODE_ROLE}}}[$__range]))"
-            " or vector(0)",
+            f"sum(increase({exposed('aborted_admissions')}{{{NODE_ROLE}}}[$__range])) or vector(0)",
         )
     )
     board = board.with_panel(
@@ -86,7 +86,7 @@ def build() -> dash.Dashboard:
             "Roles with an unsafe band",
             "Node and role pairs whose KV pool is smaller than the context length now. Runbook: "
             "KVPoolSmallerThanContext.",
-            f"count(max by (node, role) (kvwatch_unsafe_band_tokens{{{NODE_ROLE}}}) > 0)"
+            f"count(max by (node, role) ({exposed('unsafe_band_tokens')}{{{NODE_ROLE}}}) > 0)"
             " or vector(0)",
         )
     )
@@ -109,7 +109,7 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (node, role, detector, kind) "
-                    f"(increase(kvwatch_mismatches_total{{{NODE_ROLE}}}[$__rate_interval]))",
+                    f"(increase({exposed('mismatches')}{{{NODE_ROLE}}}[$__rate_interval]))",
                     "{{node}} {{role}} {{detector}} {{kind}}",
                 )
             ],
@@ -125,7 +125,7 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (node, role, queue) "
-                    f"(increase(kvwatch_aborted_admissions_total{{{NODE_ROLE}}}"
+                    f"(increase({exposed('aborted_admissions')}{{{NODE_ROLE}}}"
                     "[$__rate_interval]))",
                     "{{node}} {{role}} {{queue}}",
                 )
@@ -145,7 +145,7 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (node, role, detector) "
-                    f"(rate(kvwatch_verifications_total{{{NODE_ROLE}}}[$__rate_interval]))",
+                    f"(rate({exposed('verifications')}{{{NODE_ROLE}}}[$__rate_interval]))",
                     "{{node}} {{role}} {{detector}}",
                 )
             ],
@@ -162,7 +162,7 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (node, role, detector, reason) "
-                    f"(rate(kvwatch_verifications_skipped_total{{{NODE_ROLE}}}"
+                    f"(rate({exposed('verifications_skipped')}{{{NODE_ROLE}}}"
                     "[$__rate_interval]))",
                     "{{node}} {{role}} {{detector}} {{reason}}",
                 )
@@ -180,12 +180,12 @@ def build() -> dash.Dashboard:
             [
                 instant_table_query(
                     "sum by (node, role, detector) "
-                    f"(increase(kvwatch_verifications_total{{{NODE_ROLE}}}[$__range]))\n"
+                    f"(increase({exposed('verifications')}{{{NODE_ROLE}}}[$__range]))\n"
                     "/ (\n"
                     "  sum by (node, role, detector) "
-                    f"(increase(kvwatch_verifications_total{{{NODE_ROLE}}}[$__range]))\n"
+                    f"(increase({exposed('verifications')}{{{NODE_ROLE}}}[$__range]))\n"
                     "  + sum by (node, role, detector) "
-                    f"(increase(kvwatch_verifications_skipped_total{{{NODE_ROLE}}}[$__range]))\n"
+                    f"(increase({exposed('verifications_skipped')}{{{NODE_ROLE}}}[$__range]))\n"
                     ")"
                 )
             ],
@@ -204,12 +204,12 @@ def build() -> dash.Dashboard:
             "context check and fail the pool check: the unsafe band.",
             [
                 query(
-                    f"max by (node, role) (kvwatch_kv_pool_tokens{{{NODE_ROLE}}})",
+                    f"max by (node, role) ({exposed('kv_pool_tokens')}{{{NODE_ROLE}}})",
                     "{{node}} {{role}} pool",
                     "A",
                 ),
                 query(
-                    f"max by (node, role) (kvwatch_context_length_tokens{{{NODE_ROLE}}})",
+                    f"max by (node, role) ({exposed('context_length_tokens')}{{{NODE_ROLE}}})",
                     "{{node}} {{role}} context",
                     "B",
                 ),
@@ -225,17 +225,18 @@ def build() -> dash.Dashboard:
             "(KVPoolSmallerThanContext).",
             [
                 instant_table_query(
-                    f"min by (node, role, engine, model) (kvwatch_kv_pool_tokens{{{NODE_ROLE}}})",
+                    "min by (node, role, engine, model)"
+                    f" ({exposed('kv_pool_tokens')}{{{NODE_ROLE}}})",
                     "A",
                 ),
                 instant_table_query(
                     "max by (node, role, engine, model) "
-                    f"(kvwatch_context_length_tokens{{{NODE_ROLE}}})",
+                    f"({exposed('context_length_tokens')}{{{NODE_ROLE}}})",
                     "B",
                 ),
                 instant_table_query(
                     "max by (node, role, engine, model) "
-                    f"(kvwatch_unsafe_band_tokens{{{NODE_ROLE}}})",
+                    f"({exposed('unsafe_band_tokens')}{{{NODE_ROLE}}})",
                     "C",
                 ),
             ],
@@ -270,7 +271,7 @@ def build() -> dash.Dashboard:
             [
                 instant_table_query(
                     "count by (node, role, engine, version, model) "
-                    f"(kvwatch_engine_info{{{NODE_ROLE}}})"
+                    f"({exposed('engine_info')}{{{NODE_ROLE}}})"
                 )
             ],
             rename={"Value": "processes"},
@@ -284,7 +285,7 @@ def build() -> dash.Dashboard:
             "Distinct engine releases serving each model in PD mode: more than 1 is skew "
             "(KVEngineReleaseSkew).",
             "count by (engine, model) (group by (engine, model, version) "
-            f'(kvwatch_engine_info{{{NODES}, role=~"prefill|decode"}}))',
+            f'({exposed("engine_info")}{{{NODES}, role=~"prefill|decode"}}))',
             steps=[Threshold(value=None, color="green"), Threshold(value=2, color="orange")],
             width=8,
             height=8,
@@ -301,7 +302,7 @@ def build() -> dash.Dashboard:
             [
                 query(
                     "sum by (node, hook) "
-                    f"(rate(kvwatch_hook_seconds_total{{{NODE_ROLE}}}[$__rate_interval]))",
+                    f"(rate({exposed('hook_seconds')}{{{NODE_ROLE}}}[$__rate_interval]))",
                     "{{node}} {{hook}}",
                 )
             ],
@@ -325,7 +326,7 @@ def build() -> dash.Dashboard:
             "Spool records lost",
             "Records the daemon never received (sequence gaps) in the time range "
             "(KVSpoolRecordsLost).",
-            f"sum(increase(kvwatch_spool_lost_records_total{{{NODES}}}[$__range])) or vector(0)",
+            f"sum(increase({exposed('spool_lost_records')}{{{NODES}}}[$__range])) or vector(0)",
         )
     )
     board = board.with_panel(
@@ -334,7 +335,7 @@ def build() -> dash.Dashboard:
             "Spool records rejected",
             "Torn, corrupt or foreign records the daemon skipped in the time range "
             "(KVSpoolRecordsRejected).",
-            f"sum(increase(kvwatch_spool_rejected_total{{{NODES}}}[$__range])) or vector(0)",
+            f"sum(increase({exposed('spool_rejected')}{{{NODES}}}[$__range])) or vector(0)",
             steps=GREEN_ORANGE_RED,
         )
     )
@@ -344,7 +345,7 @@ def build() -> dash.Dashboard:
             "Oldest hook record",
             "Seconds since the quietest node's hooks last wrote a spool record (KVHooksSilent "
             "above 300 s).",
-            f"max(time() - max by (node) (kvwatch_last_record_timestamp_seconds{{{NODES}}}))",
+            f"max(time() - max by (node) ({exposed('last_record_timestamp_seconds')}{{{NODES}}}))",
             steps=[Threshold(value=None, color="green"), Threshold(value=300, color="orange")],
             unit="s",
         )
@@ -356,19 +357,19 @@ def build() -> dash.Dashboard:
             "Records read, rejected (by reason) and lost per second, by node.",
             [
                 query(
-                    f"sum by (node) (rate(kvwatch_spool_records_total{{{NODES}}}"
+                    f"sum by (node) (rate({exposed('spool_records')}{{{NODES}}}"
                     "[$__rate_interval]))",
                     "{{node}} read",
                     "A",
                 ),
                 query(
-                    f"sum by (node, reason) (rate(kvwatch_spool_rejected_total{{{NODES}}}"
+                    f"sum by (node, reason) (rate({exposed('spool_rejected')}{{{NODES}}}"
                     "[$__rate_interval]))",
                     "{{node}} rejected {{reason}}",
                     "B",
                 ),
                 query(
-                    f"sum by (node) (rate(kvwatch_spool_lost_records_total{{{NODES}}}"
+                    f"sum by (node) (rate({exposed('spool_lost_records')}{{{NODES}}}"
                     "[$__rate_interval]))",
                     "{{node}} lost",
                     "C",
@@ -386,12 +387,12 @@ def build() -> dash.Dashboard:
             "engine processes writing to the spool, by node.",
             [
                 query(
-                    f"max by (node) (kvwatch_spool_lag_bytes{{{NODES}}})",
+                    f"max by (node) ({exposed('spool_lag_bytes')}{{{NODES}}})",
                     "{{node}} lag",
                     "A",
                 ),
                 query(
-                    f"max by (node) (kvwatch_producers{{{NODES}}})",
+                    f"max by (node) ({exposed('producers')}{{{NODES}}})",
                     "{{node}} producers",
                     "B",
                 ),
@@ -407,10 +408,11 @@ def build() -> dash.Dashboard:
             "Whether each collector's last run succeeded (1) and how long it took, by node.",
             [
                 instant_table_query(
-                    f"min by (node, collector) (kvwatch_collector_success{{{NODES}}})", "A"
+                    f"min by (node, collector) ({exposed('collector_success')}{{{NODES}}})", "A"
                 ),
                 instant_table_query(
-                    f"max by (node, collector) (kvwatch_collector_duration_seconds{{{NODES}}})",
+                    "max by (node, collector)"
+                    f" ({exposed('collector_duration_seconds')}{{{NODES}}})",
                     "B",
                 ),
             ],
@@ -424,7 +426,7 @@ def build() -> dash.Dashboard:
             "kvwatch releases",
             "Daemons per kvwatch release. The engine hooks and the daemon should run the same "
             "release (spool records of another schema version are rejected).",
-            [instant_table_query(f"count by (version) (kvwatch_build_info{{{NODES}}})")],
+            [instant_table_query(f"count by (version) ({exposed('build_info')}{{{NODES}}})")],
             rename={"Value": "daemons"},
             width=24,
             height=5,

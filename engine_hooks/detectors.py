@@ -21,6 +21,9 @@ from engine_hooks import canary
 from engine_hooks.checksum import adler32
 from engine_hooks.pagestate import Ints, Mask, PageState
 from engine_hooks.pool import PagedKVPool, PageIds
+from kvspool.catalogue import DETECTOR, KIND, SKIP_REASON, unsafe_band
+
+_MODE_OFF = SKIP_REASON.check("mode_off")
 
 
 class Mode(StrEnum):
@@ -162,7 +165,7 @@ class Detector:
     def active(self) -> bool:
         """False (and the skip counted) when the detector is off."""
         if self.mode is Mode.OFF:
-            self.stats.skipped(self.name, "mode_off")
+            self.stats.skipped(self.name, _MODE_OFF)
             return False
         return True
 
@@ -187,7 +190,9 @@ class PageTags(Detector):
     table, double free) all fail.
     """
 
-    name = "page_tag"
+    name = DETECTOR.check("page_tag")
+    STALE_TAG = KIND.check("stale_tag")
+    DOUBLE_FREE = KIND.check("double_free")
 
     def __init__(self, state: PageState, stats: Stats, mode: Mode) -> None:
         super().__init__(stats, mode)
@@ -195,18 +200,20 @@ class PageTags(Detector):
 
     def compare(self, owners: list[tuple[str, int]], pages: Ints, expected: Ints) -> Finding:
         bad = self.state.stale(pages, expected)
-        return Finding(self.name, "stale_tag", owners, pages, bad, self.mode)
+        return Finding(self.name, self.STALE_TAG, owners, pages, bad, self.mode)
 
     def freed(self, pages: Ints, request_id: str = "") -> Finding:
         """Pages returning to the free list; one that is already free was freed twice."""
         twice = self.state.set_free(pages, True)
-        return Finding.single(self.name, "double_free", request_id, pages, twice, self.mode)
+        return Finding.single(self.name, self.DOUBLE_FREE, request_id, pages, twice, self.mode)
 
 
 class Canary(Detector):
     """Canary stamps on free pages and on reserved pages (see :mod:`engine_hooks.canary`)."""
 
-    name = "canary"
+    name = DETECTOR.check("canary")
+    WRITE_TO_FREE_PAGE = KIND.check("write_to_free_page")
+    UNWRITTEN_PAGE = KIND.check("unwritten_page")
 
     def __init__(self, pool: PagedKVPool, state: PageState, stats: Stats, mode: Mode) -> None:
         super().__init__(stats, mode)
@@ -227,18 +234,20 @@ class Canary(Detector):
         # Logged, never enforced: the page's next owner rewrites it before anything reads it, and
         # the late writer's request is gone, so there is no request to fail.
         mode = Mode.LOG if self.mode is Mode.ENFORCE else self.mode
-        return Finding.single(self.name, "write_to_free_page", request_id, pages, bad, mode)
+        return Finding.single(self.name, self.WRITE_TO_FREE_PAGE, request_id, pages, bad, mode)
 
     def check_reserved(self, request_id: str, pages: Ints, gens: Ints) -> Finding:
         """Reserved pages at admit: an intact reserved stamp means nobody wrote the page."""
         bad = self.state.intact(pages, gens, canary.Purpose.RESERVED)
-        return Finding.single(self.name, "unwritten_page", request_id, pages, bad, self.mode)
+        return Finding.single(self.name, self.UNWRITTEN_PAGE, request_id, pages, bad, self.mode)
 
 
 class TransferChecksum(Detector):
     """Seal on the writer (page count + Adler-32 over the pages), verify on the reader."""
 
-    name = "checksum"
+    name = DETECTOR.check("checksum")
+    PAGE_COUNT = KIND.check("page_count")
+    DIGEST = KIND.check("digest")
 
     def __init__(self, pool: PagedKVPool, stats: Stats, mode: Mode) -> None:
         super().__init__(stats, mode)
@@ -259,19 +268,23 @@ class TransferChecksum(Detector):
         if seal.page_count != len(ids):
             extra = ids[seal.page_count :] if seal.page_count < len(ids) else ids
             return self.mismatch(
-                request_id, "page_count", extra, sealed_pages=seal.page_count, held_pages=len(ids)
+                request_id,
+                self.PAGE_COUNT,
+                extra,
+                sealed_pages=seal.page_count,
+                held_pages=len(ids),
             )
         if seal.pages:
             bad = tuple(
                 p for p, d in zip(ids, seal.pages, strict=True) if self.pool.checksum((p,)) != d
             )
             if bad:
-                return self.mismatch(request_id, "digest", bad, pages_differ=len(bad))
+                return self.mismatch(request_id, self.DIGEST, bad, pages_differ=len(bad))
             return self.clean(request_id)
         digest = self.pool.checksum(ids)
         if digest != seal.digest:
             return self.mismatch(
-                request_id, "digest", ids, sealed_digest=seal.digest, read_digest=digest
+                request_id, self.DIGEST, ids, sealed_digest=seal.digest, read_digest=digest
             )
         return self.clean(request_id)
 
@@ -283,12 +296,13 @@ class Admission(Detector):
     and not ``to_finish``: a rejected request looked live on prefill and on decode.
     """
 
-    name = "admission"
+    name = DETECTOR.check("admission")
+    ABORTED_ADMITTED = KIND.check("aborted_admitted")
 
     def check(self, request_id: str, queue: str, aborted: bool, finished: bool) -> Verdict:
         if aborted and not finished:
             self.stats.add("aborted_admissions", (queue,))
-            return self.mismatch(request_id, "aborted_admitted", (), queue=queue)
+            return self.mismatch(request_id, self.ABORTED_ADMITTED, (), queue=queue)
         return self.clean(request_id)
 
 
@@ -303,7 +317,7 @@ class PoolReport:
 
     @property
     def unsafe_band_tokens(self) -> int:
-        return max(0, self.context_length_tokens - self.pool_tokens)
+        return unsafe_band(self.context_length_tokens, self.pool_tokens)
 
     @property
     def unsafe_share(self) -> float:

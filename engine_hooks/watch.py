@@ -56,11 +56,19 @@ from engine_hooks.pagestate import Ints, page_state
 from engine_hooks.pool import PagedKVPool, PageIds
 from engine_hooks.spool import SpoolWriter
 from kvspool import schema
+from kvspool.catalogue import DETECTOR, HOOK, HOOKED_DETECTORS, SKIP_REASON
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-DETECTOR_NAMES = ("canary", "checksum", "page_tag", "admission")
+DETECTOR_NAMES = HOOKED_DETECTORS
+_HOOK_ERROR, _NO_POOL, _NO_SEAL, _UNSUPPORTED_LAYOUT = (
+    SKIP_REASON.check(reason)
+    for reason in ("hook_error", "no_pool", "no_seal", "unsupported_layout")
+)
+#: The hooks of :class:`KVWatch`, each named where it is defined (``_hook``), and the flush.
+_FLUSH = HOOK.check("flush")
+HOOKS: set[str] = {_FLUSH}
 # Mismatches already reported, remembered so a request is reported once per detector and kind.
 _REMEMBERED_REPORTS = 4096
 # From this many pages on, a host-memory batch check is cheaper as tensor ops than in Python.
@@ -130,12 +138,13 @@ def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
 
 def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Time a hook into ``hook_seconds{hook}`` and turn any exception into a counted no-op."""
+    HOOKS.add(HOOK.check(name))
 
     def failed(_method: Callable[..., Any], args: tuple[Any, ...], _error: Exception) -> None:
         watch = args[0]
         watch.stats.add("hook_errors", (name,))
         for detector in watch.detectors_of(name):
-            watch.stats.skipped(detector, "hook_error")
+            watch.stats.skipped(detector, _HOOK_ERROR)
 
     def wrap(method: Callable[P, R]) -> Callable[P, R]:
         guarded = never_raise(failed, fallback)(method)
@@ -156,16 +165,20 @@ def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], 
     return wrap
 
 
+#: The detectors whose verification a hook's failure skips.
 _HOOK_DETECTORS = {
-    "alloc": ("canary", "page_tag"),
-    "free": ("page_tag",),
-    "reserve": ("canary", "page_tag"),
-    "seal": ("checksum",),
-    "verify": ("canary", "checksum", "page_tag"),
-    "step": ("page_tag",),
-    "resolve": (),
-    "admission": ("admission",),
-    "startup": (),
+    HOOK.check(hook): tuple(DETECTOR.check(name) for name in detectors)
+    for hook, detectors in {
+        "alloc": ("canary", "page_tag"),
+        "free": ("page_tag",),
+        "reserve": ("canary", "page_tag"),
+        "seal": ("checksum",),
+        "verify": ("canary", "checksum", "page_tag"),
+        "step": ("page_tag",),
+        "resolve": (),
+        "admission": ("admission",),
+        "startup": (),
+    }.items()
 }
 
 
@@ -199,15 +212,19 @@ class KVWatch:
                 rank=rank,
             )
         self.spool = spool
-        self.admission = Admission(self.stats, self.modes["admission"])
+        self.admission = Admission(self.stats, self.modes[Admission.name])
         self.state = page_state(pool) if pool else None
-        self.tags = PageTags(self.state, self.stats, self.modes["page_tag"]) if self.state else None
+        self.tags = (
+            PageTags(self.state, self.stats, self.modes[PageTags.name]) if self.state else None
+        )
         self.canary = (
-            Canary(pool, self.state, self.stats, self.modes["canary"])
+            Canary(pool, self.state, self.stats, self.modes[Canary.name])
             if pool and self.state
             else None
         )
-        self.checksum = TransferChecksum(pool, self.stats, self.modes["checksum"]) if pool else None
+        self.checksum = (
+            TransferChecksum(pool, self.stats, self.modes[TransferChecksum.name]) if pool else None
+        )
         self.pool_report: PoolReport | None = None
         self._pending: list[Finding] = []
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
@@ -230,9 +247,11 @@ class KVWatch:
         return _HOOK_DETECTORS.get(hook, ())
 
     @_hook("startup", lambda: None)
-    def report_pool(self, pool_tokens: int, context_length: int, page_size: int) -> PoolReport:
+    def report_pool(
+        self, pool_tokens: int, context_length_tokens: int, page_size: int
+    ) -> PoolReport:
         """Pool versus context, at engine start: the gauges and the unsafe band."""
-        self.pool_report = PoolReport(int(pool_tokens), int(context_length), int(page_size))
+        self.pool_report = PoolReport(int(pool_tokens), int(context_length_tokens), int(page_size))
         self._write_gauges()
         return self.pool_report
 
@@ -246,7 +265,7 @@ class KVWatch:
         if self.canary.usable and self.canary.active():
             gens = self.state.generations(index)
             findings.append(self.canary.check_free(request_id, index, gens))
-            self.stats.verified("canary")
+            self.stats.verified(Canary.name)
         self.state.set_free(index, False)
         self.state.bump(index)
         return self._settle(findings)
@@ -302,27 +321,27 @@ class KVWatch:
 
         Returns the mismatches (an empty list when the request is clean)."""
         if ticket is None or self.canary is None or self.tags is None or self.checksum is None:
-            for name in ("canary", "checksum", "page_tag"):
-                self.stats.skipped(name, "no_pool")
+            for name in (Canary.name, TransferChecksum.name, PageTags.name):
+                self.stats.skipped(name, _NO_POOL)
             return []
         rid = ticket.request_id
         findings: list[Finding] = []
         if not self.canary.usable:
-            self.stats.skipped("canary", "unsupported_layout")
+            self.stats.skipped(self.canary.name, _UNSUPPORTED_LAYOUT)
         elif self.canary.active():
             findings.append(self.canary.check_reserved(rid, ticket.pages, ticket.tags))
-            self.stats.verified("canary")
+            self.stats.verified(Canary.name)
         if self.tags.active():
             owners = [(rid, ticket.page_count)]
             findings.append(self.tags.compare(owners, ticket.pages, ticket.tags))
-            self.stats.verified("page_tag")
+            self.stats.verified(PageTags.name)
         verdicts = [self._report(v) for f in findings for v in f.resolve()]
         if self.checksum.active():
             if seal is None:
-                self.stats.skipped("checksum", "no_seal")
+                self.stats.skipped(self.checksum.name, _NO_SEAL)
             else:
                 verdict = self.checksum.verify(rid, ticket.pages, seal)
-                self.stats.verified("checksum")
+                self.stats.verified(TransferChecksum.name)
                 if not verdict.ok:
                     verdicts.append(self._report(verdict))
         return verdicts
@@ -338,7 +357,7 @@ class KVWatch:
         holds the generation its request was given (no host sync on an accelerator)."""
         if self.state is None or self.tags is None or not tickets or not self.tags.active():
             return []
-        self.stats.verified("page_tag", len(tickets))
+        self.stats.verified(PageTags.name, len(tickets))
         owners = [(t.request_id, t.page_count) for t in tickets]
         if self._on_device or sum(count for _, count in owners) >= _VECTOR_PAGES:
             assert self.pool is not None
@@ -351,14 +370,14 @@ class KVWatch:
             expected = self.state.concat([t.tags for t in tickets])
         return self._settle([self.tags.compare(owners, pages, expected)])
 
-    @_hook("admission", lambda: Verdict("admission", ""))
+    @_hook("admission", lambda: Verdict(Admission.name, ""))
     def on_admission(
         self, request_id: str, queue: str, *, aborted: bool, finished: bool
     ) -> Verdict:
         """An admission queue is about to admit a request; ``aborted`` is ``to_finish`` set."""
         if not self.admission.active():
             return self.admission.clean(request_id)
-        self.stats.verified("admission")
+        self.stats.verified(Admission.name)
         verdict = self.admission.check(request_id, queue, aborted, finished)
         return verdict if verdict.ok else self._report(verdict)
 
@@ -442,7 +461,7 @@ class KVWatch:
             try:
                 self.flush()
             except Exception:  # a snapshot lost now is taken again next interval
-                self.stats.add("hook_errors", ("flush",))
+                self.stats.add("hook_errors", (_FLUSH,))
 
     def close(self) -> None:
         """Final snapshot, stop the flush thread, close the spool. Idempotent."""

@@ -31,6 +31,14 @@ class Label:
         text = value if type(value) is str else str(value)
         return text if text in self.values else OTHER
 
+    def check(self, value: str) -> str:
+        """``value``, named in code where it is defined: a ValueError at import when it is not one
+        of this label's values, so a misspelt name never reaches a counter as ``other``."""
+        if value == OTHER or value not in self.values:
+            known = ", ".join(v for v in self.sorted_values if v != OTHER)
+            raise ValueError(f"{value!r} is not a catalogued {self.name} ({known})")
+        return value
+
 
 def _label(name: str, values: dict[str, str]) -> Label:
     return Label(name, {**values, OTHER: "a value outside the fixed set"})
@@ -58,6 +66,10 @@ DETECTOR: Final = _label(
         "engine_canary": "the engine's own canary, where it has one",
         "engine_checksum": "the engine's own checksum, where it has one",
     },
+)
+#: The detectors kvwatch's engine hooks run; the other detectors are engines' own checks.
+HOOKED_DETECTORS: Final = tuple(
+    DETECTOR.check(name) for name in ("canary", "checksum", "page_tag", "admission")
 )
 KIND: Final = _label(
     "kind",
@@ -326,11 +338,36 @@ DAEMON_FAMILIES: Final = (
 )
 FAMILY_BY_NAME: Final = {family.name: family for family in DAEMON_FAMILIES}
 
+#: The prefix of every family kvwatch exposes.
+PREFIX: Final = "kvwatch_"
+
+#: Every catalogued family, by its name without :data:`PREFIX`, and the name /metrics exposes
+#: for it (a counter's with ``_total``).
+EXPOSED: Final = {
+    family.removeprefix(PREFIX): family + ("_total" if counter else "")
+    for family, counter in (
+        *((series.family, True) for series in COUNTERS),
+        *((series.family, False) for series in GAUGES),
+        *((family.name, family.type == "counter") for family in DAEMON_FAMILIES),
+    )
+}
+
+
+def exposed(name: str) -> str:
+    """The name /metrics exposes for the catalogued family ``kvwatch_<name>`` (a counter's with
+    ``_total``), for queries written by the alerts and dashboards generators: a name the
+    catalogue does not hold fails at generation time instead of becoming a query that matches
+    nothing."""
+    try:
+        return EXPOSED[name]
+    except KeyError:
+        raise ValueError(f"no catalogued family {PREFIX}{name}") from None
+
 
 @overload
-def unsafe_band(context_tokens: int, pool_tokens: int) -> int: ...
+def unsafe_band(context_length_tokens: int, pool_tokens: int) -> int: ...
 @overload
-def unsafe_band(context_tokens: float, pool_tokens: float) -> float: ...
-def unsafe_band(context_tokens: float, pool_tokens: float) -> float:
+def unsafe_band(context_length_tokens: float, pool_tokens: float) -> float: ...
+def unsafe_band(context_length_tokens: float, pool_tokens: float) -> float:
     """Tokens of prompt length that pass the context check but do not fit the pool."""
-    return max(context_tokens - pool_tokens, 0)
+    return max(context_length_tokens - pool_tokens, 0)

@@ -32,7 +32,7 @@ class Row:
     engine: str
     ranks: int
     pool_tokens: int | None
-    context_tokens: int | None
+    context_length_tokens: int | None
     band_tokens: int | None
     band_share: float | None  # of the context window
     error: str | None = None
@@ -52,17 +52,17 @@ def check_text(node: str, lines: list[str], role: str | None = None) -> list[Row
         parser.feed(line)
     by_role: dict[str, list[Row]] = {}
     for view in parser.views.values():
-        if view.pool_tokens is None or view.context_tokens is None:
+        if view.pool_tokens is None or view.context_length_tokens is None:
             continue
-        band = unsafe_band(view.context_tokens, view.pool_tokens)
-        share = band / view.context_tokens if view.context_tokens else 0.0
+        band = unsafe_band(view.context_length_tokens, view.pool_tokens)
+        share = band / view.context_length_tokens if view.context_length_tokens else 0.0
         row = Row(
             node,
             view.role or "unknown",
             view.engine,
             1,
             view.pool_tokens,
-            view.context_tokens,
+            view.context_length_tokens,
             band,
             share,
         )
@@ -77,7 +77,7 @@ def check_text(node: str, lines: list[str], role: str | None = None) -> list[Row
                 worst.engine,
                 len(ranks),
                 min(r.pool_tokens or 0 for r in ranks),
-                max(r.context_tokens or 0 for r in ranks),
+                max(r.context_length_tokens or 0 for r in ranks),
                 worst.band_tokens,
                 worst.band_share,
             )
@@ -125,9 +125,9 @@ def render(rows: list[Row], out: TextIO, *, as_json: bool) -> None:
         if r.error:
             verdict = f"UNCHECKED: {r.error}"
         elif r.band_tokens:
-            assert r.pool_tokens is not None and r.context_tokens is not None
+            assert r.pool_tokens is not None and r.context_length_tokens is not None
             verdict = (
-                f"UNSAFE: prompts of {r.pool_tokens + 1:,}..{r.context_tokens:,} tokens"
+                f"UNSAFE: prompts of {r.pool_tokens + 1:,}..{r.context_length_tokens:,} tokens"
                 " pass the context check but do not fit the pool"
             )
         else:
@@ -139,7 +139,7 @@ def render(rows: list[Row], out: TextIO, *, as_json: bool) -> None:
                 r.role,
                 r.engine,
                 _n(r.pool_tokens),
-                _n(r.context_tokens),
+                _n(r.context_length_tokens),
                 _n(r.band_tokens),
                 share,
                 verdict,
@@ -159,9 +159,9 @@ def smallest_band_from_files(paths: list[str]) -> tuple[int, int]:
     node the logs describe. A prompt longer than that pool and no longer than that context passes
     every node's context check and fits no pool's smallest node. ValueError when no log says.
     """
-    rows = [r for r in check_files(paths) if r.pool_tokens is not None and r.context_tokens]
+    rows = [r for r in check_files(paths) if r.pool_tokens is not None and r.context_length_tokens]
     if not rows:
         raise ValueError("no start-up line with both the KV pool and the context length")
     pools = [r.pool_tokens for r in rows if r.pool_tokens is not None]
-    contexts = [r.context_tokens for r in rows if r.context_tokens is not None]
+    contexts = [r.context_length_tokens for r in rows if r.context_length_tokens is not None]
     return min(pools), min(contexts)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvspool.catalogue import ENGINE, OTHER, ROLE
-from kvwatch.logwatch import WatchedLog
+from kvwatch.logwatch import EngineLog
 
 #: 9100-9999 is fully allocated on Prometheus's exporter port list; this one is outside it,
 #: below the Linux ephemeral range, and not a well-known default of any exporter.
@@ -118,7 +118,7 @@ class Config:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
-    logs: list[WatchedLog] = field(default_factory=list)
+    logs: list[EngineLog] = field(default_factory=list)
 
     @property
     def quarantine(self) -> str:
@@ -168,7 +168,7 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
         elif key == "allowed_users":
             config.allowed_uids = [_uid(u) for u in _list(key, value)]
         elif key == "logs":
-            config.logs = [_watched(entry) for entry in _list(key, value)]
+            config.logs = [_engine_log(entry) for entry in _list(key, value)]
         elif key == "nvml":
             # Strictly a TOML boolean: "false" as a string is truthy and was read as true.
             if not isinstance(value, bool):
@@ -195,7 +195,7 @@ def _integer(key: str, value: object) -> int:
 _LOG_KEYS: Final = frozenset({"path", "role", "engine", "model"})
 
 
-def _watched(entry: object) -> WatchedLog:
+def _engine_log(entry: object) -> EngineLog:
     if isinstance(entry, str):
         return parse_log_flag(entry)
     if not isinstance(entry, dict) or "path" not in entry:
@@ -210,7 +210,7 @@ def _watched(entry: object) -> WatchedLog:
     )
 
 
-def _checked_log(path: str, role: str, engine: str, model: str = "") -> WatchedLog:
+def _checked_log(path: str, role: str, engine: str, model: str = "") -> EngineLog:
     if role not in LOG_ROLES:
         raise ConfigError(f"log {path}: unknown role {role!r}{did_you_mean(role, LOG_ROLES)}")
     if engine not in LOG_ENGINES:
@@ -219,10 +219,10 @@ def _checked_log(path: str, role: str, engine: str, model: str = "") -> WatchedL
         )
     if not path:
         raise ConfigError("log: empty path")
-    return WatchedLog(path=path, role=role, engine=engine, model=model)
+    return EngineLog(path=path, role=role, engine=engine, model=model)
 
 
-def parse_log_flag(value: str) -> WatchedLog:
+def parse_log_flag(value: str) -> EngineLog:
     """``--log ROLE:ENGINE:PATH`` or ``--log ROLE:PATH`` or ``--log PATH`` (an absolute path).
 
     Every part is checked: ``prefill:sgl:/x.log`` is an unknown engine, not a file named

@@ -65,7 +65,7 @@ class Reading:
     role: str | None = None
     rank: int = 0
     pool_tokens: int | None = None
-    context_tokens: int | None = None
+    context_length_tokens: int | None = None
     page_size: int | None = None
     gpu_blocks: int | None = None
     block_size: int | None = None
@@ -100,7 +100,7 @@ def parse_line(raw: str) -> Reading | None:
         reading.pool_tokens = _int(match.group(1))
         found = True
         if (match := _SG_CONTEXT.search(line)) is not None:
-            reading.context_tokens = _int(match.group(1))
+            reading.context_length_tokens = _int(match.group(1))
         if (match := _TP.search(line)) is not None:
             reading.rank = int(match.group(1))
     if (match := _VL_KV.search(line)) is not None:
@@ -109,7 +109,7 @@ def parse_line(raw: str) -> Reading | None:
         found = True
     if (match := _VL_CONCURRENCY.search(line)) is not None:
         reading.engine = "vllm"
-        reading.context_tokens = _int(match.group(1))
+        reading.context_length_tokens = _int(match.group(1))
         found = True
     if (match := _VL_BLOCKS.search(line)) is not None:
         reading.engine = "vllm"
@@ -117,7 +117,7 @@ def parse_line(raw: str) -> Reading | None:
         found = True
     if (match := _VL_MAX_LEN.search(line) or _VL_SEQ_LEN.search(line)) is not None:
         reading.engine = "vllm" if reading.engine == "other" else reading.engine
-        reading.context_tokens = _int(match.group(1))
+        reading.context_length_tokens = _int(match.group(1))
         found = True
     if (match := _VL_VERSION.search(line)) is not None:
         reading.engine = "vllm"
@@ -146,7 +146,7 @@ class EngineView:
     rank: int
     engine: str = "other"
     pool_tokens: int | None = None
-    context_tokens: int | None = None
+    context_length_tokens: int | None = None
     page_size: int | None = None
     gpu_blocks: int | None = None
     block_size: int | None = None
@@ -158,7 +158,7 @@ class EngineView:
     def update(self, reading: Reading, line_number: int = 0) -> None:
         if reading.engine != "other":
             self.engine = reading.engine
-        names = ("pool_tokens", "context_tokens", "page_size", "version", "model")
+        names = ("pool_tokens", "context_length_tokens", "page_size", "version", "model")
         for name in (*names, "gpu_blocks", "block_size"):
             value = getattr(reading, name)
             if value is not None:
@@ -177,16 +177,16 @@ class EngineView:
 
     @property
     def band_tokens(self) -> int | None:
-        if self.pool_tokens is None or self.context_tokens is None:
+        if self.pool_tokens is None or self.context_length_tokens is None:
             return None
-        return unsafe_band(self.context_tokens, self.pool_tokens)
+        return unsafe_band(self.context_length_tokens, self.pool_tokens)
 
     def gauges(self) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.pool_tokens is not None:
             out["kv_pool_tokens"] = float(self.pool_tokens)
-        if self.context_tokens is not None:
-            out["context_length_tokens"] = float(self.context_tokens)
+        if self.context_length_tokens is not None:
+            out["context_length_tokens"] = float(self.context_length_tokens)
         if self.page_size is not None:
             out["page_size_tokens"] = float(self.page_size)
         return out

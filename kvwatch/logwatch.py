@@ -18,14 +18,16 @@ from typing import Final
 import structlog
 
 from kvwatch.logparse import MAX_LINE_CHARS, LogParser
-from kvwatch.state import LogSource, State
+from kvwatch.state import EngineLogView, State
 
 #: Bytes read per file per poll, so one huge log cannot stall the daemon.
 READ_BYTES: Final = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class WatchedLog:
+class EngineLog:
+    """A log file an engine writes, watched by the daemon (``[[logs]]``, ``--log``)."""
+
     path: str
     role: str = "other"
     engine: str = "auto"  # "sglang", "vllm" or "auto" (from the lines)
@@ -117,9 +119,9 @@ class LogFollower:
 
 
 class LogWatcher:
-    """Every configured log: a follower and a parser, feeding ``state.logs``."""
+    """Every engine log: a follower and a parser, feeding ``state.logs``."""
 
-    def __init__(self, logs: list[WatchedLog], state: State) -> None:
+    def __init__(self, logs: list[EngineLog], state: State) -> None:
         self.state = state
         self.log = structlog.get_logger("kvwatch.logs")
         self.watched = [(log, LogFollower(log.path), LogParser(log.role)) for log in logs]
@@ -175,7 +177,7 @@ class LogWatcher:
                     view = parser.views[changed_key]
                     role = view.role or log.role
                     engine = view.engine if log.engine == "auto" else log.engine
-                    self.state.logs[f"{log.path}\x00{role}\x00{view.rank}"] = LogSource(
+                    self.state.logs[f"{log.path}\x00{role}\x00{view.rank}"] = EngineLogView(
                         role=role,
                         engine=engine,
                         model=log.model or view.model or "",
@@ -190,7 +192,7 @@ class LogWatcher:
                         engine=engine,
                         rank=view.rank,
                         pool_tokens=view.pool_tokens,
-                        context_tokens=view.context_tokens,
+                        context_length_tokens=view.context_length_tokens,
                         unsafe_band_tokens=view.band_tokens,
                     )
         return total

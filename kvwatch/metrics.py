@@ -203,12 +203,12 @@ def engine_views(
                 key: LabelKey = (role, engine, model, ranks(producer.rank), "hooks")
                 if key not in latest or latest[key][0] <= producer.last_ts:
                     latest[key] = (producer.last_ts, producer.gauges)
-        for source in state.logs.values():
-            role = _ROLE(source.role)
-            engine = _ENGINE(source.engine)
-            model = models(source.model)
-            if source.version:
-                info.add((engine, versions(source.version), role, model))
-            if source.gauges:
-                latest[(role, engine, model, ranks(source.rank), "log")] = (0.0, source.gauges)
+        for logged in state.logs.values():
+            role = _ROLE(logged.role)
+            engine = _ENGINE(logged.engine)
+            model = models(logged.model)
+            if logged.version:
+                info.add((engine, versions(logged.version), role, model))
+            if logged.gauges:
+                latest[(role, engine, model, ranks(logged.rank), "log")] = (0.0, logged.gauges)
     return {key: gauges for key, (_, gauges) in latest.items()}, info

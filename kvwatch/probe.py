@@ -150,14 +150,14 @@ def fit(points: Sequence[tuple[int, int]]) -> Sizing:
     return Sizing(slope, mean_t - slope * mean_w)
 
 
-def aim(pool_tokens: int, context_tokens: int) -> int:
+def aim(pool_tokens: int, context_length_tokens: int) -> int:
     """The middle of the unsafe band (pool, context]; an error when there is no band."""
-    if context_tokens <= pool_tokens:
+    if context_length_tokens <= pool_tokens:
         raise ProbeError(
             f"no unsafe band: the pool ({pool_tokens:,}) holds the whole context "
-            f"({context_tokens:,}); nothing to probe"
+            f"({context_length_tokens:,}); nothing to probe"
         )
-    return pool_tokens + max(1, (context_tokens - pool_tokens) // 2)
+    return pool_tokens + max(1, (context_length_tokens - pool_tokens) // 2)
 
 
 def is_loopback(url: str) -> bool:
@@ -363,15 +363,15 @@ def target_from_args(args: argparse.Namespace) -> tuple[int, int | None]:
     """The prompt length to send, and the pool size when known."""
     if args.prompt_tokens:
         return int(args.prompt_tokens), args.pool_tokens
-    if args.pool_tokens and args.context_tokens:
-        return aim(args.pool_tokens, args.context_tokens), args.pool_tokens
+    if args.pool_tokens and args.context_length_tokens:
+        return aim(args.pool_tokens, args.context_length_tokens), args.pool_tokens
     if args.from_logs:
         from kvwatch.checklogs import smallest_band_from_files
 
         pool, context = smallest_band_from_files(args.from_logs)
         return aim(pool, context), pool
     raise ProbeError(
-        "say how long: --prompt-tokens, --pool-tokens with --context-tokens, or --from-logs"
+        "say how long: --prompt-tokens, --pool-tokens with --context-length, or --from-logs"
     )
 
 
@@ -384,7 +384,7 @@ def add_parser(commands: Any) -> None:
         description=__doc__.replace("``", "'"),
         formatter_class=Formatter,
         epilog="examples:\n  kvwatch probe --url http://127.0.0.1:8000 --from-logs prefill.log\n"
-        "  kvwatch probe --url http://127.0.0.1:8000 --pool-tokens 16384 --context-tokens 32768",
+        "  kvwatch probe --url http://127.0.0.1:8000 --pool-tokens 16384 --context-length 32768",
     )
     parser.set_defaults(_parser=parser)
     parser.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8000")
@@ -395,9 +395,14 @@ def add_parser(commands: Any) -> None:
     size = parser.add_argument_group("sizing (one of)")
     size.add_argument("--prompt-tokens", type=int, help="send a prompt of this many tokens")
     size.add_argument(
-        "--pool-tokens", type=int, help="the KV pool, in tokens (with --context-tokens)"
+        "--pool-tokens", type=int, help="the KV pool, in tokens (with --context-length)"
     )
-    size.add_argument("--context-tokens", type=int, help="the advertised context length, in tokens")
+    size.add_argument(
+        "--context-length",
+        dest="context_length_tokens",
+        type=int,
+        help="the advertised context length, in tokens",
+    )
     size.add_argument(
         "--from-logs", nargs="+", metavar="FILE", help="engine logs to read pool and context from"
     )

@@ -91,8 +91,9 @@ class Segment:
 
 
 @dataclass(slots=True)
-class LogSource:
-    """Pool/context values one watched engine log reported (``source="log"``)."""
+class EngineLogView:
+    """What an engine log says about one engine rank: a snapshot of its
+    :class:`kvwatch.logparse.EngineView` (``source="log"`` on /metrics)."""
 
     role: str
     engine: str
@@ -113,7 +114,7 @@ class State:
     last_record_ts: float = 0.0
     lag_bytes: int = 0
     live_producers: int = 0
-    logs: dict[str, LogSource] = field(default_factory=dict)
+    logs: dict[str, EngineLogView] = field(default_factory=dict)
     log_counts: Totals = field(default_factory=totals)
     #: collector name -> (success, duration in seconds) of its last run.
     collectors: dict[str, tuple[bool, float]] = field(default_factory=dict)

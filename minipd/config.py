@@ -9,10 +9,10 @@ from minipd.releases import Release, release
 from minipd.tokenizer import DIGITS, PIECE_BYTES
 
 
-def head_dim_for(context_tokens: int) -> int:
+def head_dim_for(context_length_tokens: int) -> int:
     """The model's head size: twice the number of binary rotary frequencies that keep every
     position of the context apart (and room for a token's digits in the value)."""
-    frequencies = max(8, int(context_tokens).bit_length())
+    frequencies = max(8, int(context_length_tokens).bit_length())
     return 2 * max(frequencies, math.ceil(DIGITS / 2))
 
 

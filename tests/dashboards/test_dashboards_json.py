@@ -19,11 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: alerts/kvwatch.rules.yml and Prometheus's ``up``: the dashboards and alerts may use these and
 #: nothing else.
 PUBLIC_METRICS = (
-    {s.family + "_total" for s in catalogue.COUNTERS}
-    | {s.family for s in catalogue.GAUGES}
-    | {f.name + ("_total" if f.type == "counter" else "") for f in catalogue.DAEMON_FAMILIES}
-    | {"up"}
-    | {r.record for r in definitions.RECORDING_RULES}
+    set(catalogue.EXPOSED.values()) | {"up"} | {r.record for r in definitions.RECORDING_RULES}
 )
 
 PROMQL_WORDS = {

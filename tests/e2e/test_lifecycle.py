@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.e2e.server import MiniPD, group_alive, post
 
-ESSAY_SED = r"s/.*max_total_num_tokens=([0-9]+).*context_len=([0-9]+).*/pool=\1 context=\2/"
+RUNBOOK_SED = r"s/.*max_total_num_tokens=([0-9]+).*context_len=([0-9]+).*/pool=\1 context=\2/"
 
 
 def group_members(pgid: int) -> list[int]:
@@ -29,7 +29,7 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def test_roles_log_sglang_startup_line_and_the_essay_grep_reads_it(tmp_path: Path) -> None:
+def test_roles_log_sglang_startup_line_and_the_runbook_grep_reads_it(tmp_path: Path) -> None:
     args = ["--prefill-pool-tokens", "4096", "--decode-pool-tokens", "8192"]
     with MiniPD([*args, "--context-length", "6000"], tmp_path) as pd:
         assert pd.url.startswith("http://127.0.0.1:")
@@ -41,7 +41,7 @@ def test_roles_log_sglang_startup_line_and_the_essay_grep_reads_it(tmp_path: Pat
     fields = ("chunked_prefill_size=", "max_prefill_tokens=", "max_running_requests=")
     assert all(f in grep.stdout for f in fields) and "available_gpu_mem=" in grep.stdout
     sed = subprocess.run(
-        ["sed", "-E", ESSAY_SED], input=grep.stdout, capture_output=True, text=True, check=True
+        ["sed", "-E", RUNBOOK_SED], input=grep.stdout, capture_output=True, text=True, check=True
     )
     assert sorted(sed.stdout.split("\n")[:2]) == [
         "pool=4096 context=6000",

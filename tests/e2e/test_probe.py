@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def probe(url: str, *extra: str) -> tuple[int, dict[str, Any], str]:
     done = subprocess.run(
         [sys.executable, "-m", "kvwatch.cli", "probe", "--url", url, "--json",
-         "--pool-tokens", str(POOL), "--context-tokens", str(CONTEXT),
+         "--pool-tokens", str(POOL), "--context-length", str(CONTEXT),
          "--marker-repeats", "200", *extra],
         capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
     )  # fmt: skip

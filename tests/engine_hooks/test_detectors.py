@@ -39,7 +39,7 @@ def warm(pair: Pair) -> None:
         assert pair.free("decode", pages) == []
 
 
-def test_essay_unwritten_reserved_pages(pair: Pair) -> None:
+def test_incident_unwritten_reserved_pages(pair: Pair) -> None:
     warm(pair)
     dst, ticket = pair.reserve("rejected", 8)
     _, seal = pair.prefill_write("rejected", dst, ticket, written=1)  # the placeholder page

@@ -20,7 +20,9 @@ PRESET_FIXED = (
 )
 
 
-def test_essay_worked_example(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_incident_startup_lines_give_its_unsafe_band(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pasted = tmp_path / "glm.txt"
     pasted.write_text(PRESET_VULNERABLE)
     assert main(["check-logs", str(pasted)]) == 1
@@ -32,7 +34,7 @@ def test_essay_worked_example(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert rows[0].band_share == pytest.approx(0.3503, abs=1e-4)
 
 
-def test_essay_fixed_pool_closes_the_band(tmp_path: Path) -> None:
+def test_incident_pool_raised_closes_the_band(tmp_path: Path) -> None:
     pasted = tmp_path / "glm-fixed.txt"
     pasted.write_text(PRESET_FIXED)
     assert main(["check-logs", str(pasted)]) == 0

@@ -14,7 +14,7 @@ SGLANG = (
 def test_sglang_startup_line_with_logger_prefix() -> None:
     reading = parse_line(SGLANG)
     assert reading is not None
-    assert (reading.engine, reading.pool_tokens, reading.context_tokens) == (
+    assert (reading.engine, reading.pool_tokens, reading.context_length_tokens) == (
         "sglang",
         681280,
         1048576,
@@ -50,7 +50,7 @@ def test_vllm_capacity_line_one_or_two_lines(lines: list[str]) -> None:
     for line in lines:
         parser.feed(line)
     [view] = parser.views.values()
-    assert (view.engine, view.pool_tokens, view.context_tokens) == ("vllm", 1234567, 131072)
+    assert (view.engine, view.pool_tokens, view.context_length_tokens) == ("vllm", 1234567, 131072)
     assert view.band_tokens == 0
 
 
@@ -62,7 +62,7 @@ def test_vllm_v0_gpu_blocks_times_block_size_and_model_len() -> None:
     )
     parser.feed("INFO 05-01 10:00:05 gpu_executor.py:83] # GPU blocks: 1000, # CPU blocks: 512")
     [view] = parser.views.values()
-    assert (view.pool_tokens, view.context_tokens, view.page_size) == (32000, 65536, 32)
+    assert (view.pool_tokens, view.context_length_tokens, view.page_size) == (32000, 65536, 32)
     assert view.version == "0.5.4" and view.model == "meta/llama"
     assert view.band_tokens == 65536 - 32000
 
@@ -72,7 +72,7 @@ def test_vllm_blocks_default_block_size_and_using_max_model_len() -> None:
     parser.feed("INFO # GPU blocks: 2048")
     parser.feed("INFO Using max model len 40960")
     [view] = parser.views.values()
-    assert (view.pool_tokens, view.context_tokens) == (2048 * 16, 40960)
+    assert (view.pool_tokens, view.context_length_tokens) == (2048 * 16, 40960)
 
 
 def test_unreadable_lines_are_counted_not_fatal() -> None:

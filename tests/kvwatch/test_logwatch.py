@@ -3,7 +3,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvwatch.logwatch import LogFollower, LogWatcher, WatchedLog
+from kvwatch.logwatch import EngineLog, LogFollower, LogWatcher
 from kvwatch.state import State
 
 LINE = (
@@ -55,7 +55,7 @@ def test_follower_drops_over_long_lines(tmp_path: Path) -> None:
 def test_watcher_feeds_gauges_through_rotation(tmp_path: Path) -> None:
     log = tmp_path / "prefill.log"
     state = State()
-    watcher = LogWatcher([WatchedLog(str(log), role="prefill", engine="sglang")], state)
+    watcher = LogWatcher([EngineLog(str(log), role="prefill", engine="sglang")], state)
     write(log, "\x1b[33mINFO starting\x1b[0m\n" + LINE.format(pool=681280))
     watcher.poll()
     [source] = state.logs.values()
@@ -74,7 +74,7 @@ def test_watcher_feeds_gauges_through_rotation(tmp_path: Path) -> None:
 
 def test_watcher_missing_file_is_not_fatal(tmp_path: Path) -> None:
     state = State()
-    watcher = LogWatcher([WatchedLog(str(tmp_path / "nope.log"))], state)
+    watcher = LogWatcher([EngineLog(str(tmp_path / "nope.log"))], state)
     assert watcher.poll() == 0
     write(tmp_path / "nope.log", "GPU KV cache size: 10,000 tokens\n")
     assert watcher.poll() == 1

@@ -15,7 +15,7 @@ from kvwatch.journal import Journal
 from kvwatch.logparse import EngineView
 from kvwatch.metrics import KvwatchCollector
 from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import LogSource, State
+from kvwatch.state import EngineLogView, State
 from tests.kvwatch.spoolgen import Producer
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.prom"
@@ -68,8 +68,8 @@ def fixed_state(spool: Path, journal: Journal) -> State:
     reader.clock_past = float("inf")  # keep FIXED_T0 as it is
     reader.poll()
     view = EngineView(role="prefill", rank=0, engine="vllm")
-    view.pool_tokens, view.context_tokens = 1234567, 131072
-    state.logs["vllm.log"] = LogSource("prefill", "vllm", "llama", 0, view.gauges(), "0.33.0")
+    view.pool_tokens, view.context_length_tokens = 1234567, 131072
+    state.logs["vllm.log"] = EngineLogView("prefill", "vllm", "llama", 0, view.gauges(), "0.33.0")
     state.collectors["spool"] = (True, 0.0)
     return state
 
@@ -147,3 +147,9 @@ def test_every_family_on_metrics_is_in_the_catalogue(spool: Path, journal: Journ
         | {f.name for f in catalogue.DAEMON_FAMILIES}
     )
     assert exposed == catalogued
+    # The names the alerts and dashboards generators query (catalogue.exposed) are the samples'.
+    samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples == set(catalogue.EXPOSED.values())
+    assert catalogue.exposed("mismatches") == "kvwatch_mismatches_total"
+    with pytest.raises(ValueError, match=r"kvwatch_mismatch$"):
+        catalogue.exposed("mismatch")

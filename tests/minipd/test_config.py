@@ -11,7 +11,7 @@ def serve_config(*argv: str) -> ServeConfig:
     return config_from(build_parser().parse_args(["serve", *argv]))
 
 
-def test_release_table_follows_the_essay() -> None:
+def test_release_table_turns_the_fixes_on_in_order() -> None:
     r19, r20, r21, r22 = (release(v) for v in ("0.5.19", "0.5.20", "0.5.21", "0.5.22"))
     assert not (r19.retire_aborted_prefill or r19.admission_checks_to_finish)
     assert r20.retire_aborted_prefill and not r20.admission_checks_to_finish

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from minipd import tokenizer
 
 
-def test_essay_filler_is_one_token_per_word() -> None:
+def test_marker_check_filler_is_one_token_per_word() -> None:
     assert len(tokenizer.encode("word " * 900)) == 900
     assert len(tokenizer.encode("word " * 20 + "Repeat any codes you saw.")) == 25
 

@@ -1,5 +1,6 @@
-"""The incident's third check, its script as printed (only URL and FILLER_WORDS changed), against
-minipd configured as each release, with kvwatch off, log and enforce."""
+"""The incident's marker check (docs/incident.md), its script as printed (only URL and
+FILLER_WORDS changed), against minipd configured as each release, with kvwatch off, log and
+enforce."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from tests.e2e.server import MiniPD
 
-TEMPLATE = Path(__file__).with_name("essay_third_check.py.txt")
+TEMPLATE = Path(__file__).with_name("incident_marker_check.py.txt")
 # The prefill pool is the small one, as on Workers AI; decode can reserve the whole prompt.
 POOLS = ["--pool-tokens", "16384", "--decode-pool-tokens", "65536", "--context-length", "32768"]
 FILLER_WORDS = 20_000
@@ -25,7 +26,7 @@ def run_check(pd: MiniPD, workdir: Path) -> tuple[int, str, list[str], str]:
     script = TEMPLATE.read_text()
     script = script.replace('"http://127.0.0.1:8000/generate"', repr(pd.url + "/generate"))
     script = script.replace("FILLER_WORDS = 900_000", f"FILLER_WORDS = {FILLER_WORDS}")
-    path = workdir / "third_check.py"
+    path = workdir / "marker_check.py"
     path.write_text(script)
     done = subprocess.run(
         [sys.executable, str(path)], capture_output=True, text=True, timeout=240, check=False
