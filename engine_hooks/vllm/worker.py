@@ -94,7 +94,6 @@ class WorkerSide:
         count = ticket.page_count if job.blocks is None else min(job.blocks, ticket.page_count)
         # The delivered run of the reservation; the rest of the ticket (its request) as it is.
         ticket = replace(ticket, pages=ticket.pages[:count], tags=ticket.tags[:count])
-        ticket._as_tensors = None
         seal = self._seal_for(reserve, count)
         # NIXL does not carry page tags, so the write is recorded when its completion is seen:
         # the tag check then catches a block reallocated between reservation and this read.
