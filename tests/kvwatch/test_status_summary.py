@@ -10,13 +10,14 @@ import select
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 from kvwatch.spool_reader import SpoolReader
 from kvwatch.state import State
 from kvwatch.statuspage import STALE_SECONDS, summarize
 from tests.kvwatch.daemonproc import REPO
-from tests.kvwatch.spoolgen import Producer
+from tests.kvwatch.spoolgen import T0, Producer
 
 
 def levels(state: State, now: float) -> dict[str, str]:
@@ -108,11 +109,17 @@ def test_incidents_since_a_timestamp_and_by_kind(
         )  # fmt: skip
         return [row["request_id"] for row in json.loads(result.stdout)]
 
-    # spoolgen's T0 is 1_790_000_000 = 2026-09-21T14:13:20Z
+    # spoolgen's T0 is an hour ago, on a whole second: the events are at T0 + 2 s and T0 + 3 s.
+    def utc(seconds: float, zone: str = "Z") -> str:
+        moment = datetime.fromtimestamp(seconds, UTC)
+        if zone == "Z":
+            return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+        return moment.astimezone(timezone(timedelta(hours=2))).isoformat()
+
     assert ids() == ["req-old", "req-new"]
-    assert ids("--since", "2026-09-21T14:13:23Z") == ["req-new"]
-    assert ids("--since", "2026-09-21T16:13:23+02:00") == ["req-new"]
-    assert ids("--since", "2026-09-22") == []
+    assert ids("--since", utc(T0 + 3)) == ["req-new"]
+    assert ids("--since", utc(T0 + 3, "+02:00")) == ["req-new"]
+    assert ids("--since", utc(T0 + 86400)[:10]) == []
     assert ids("--kind", "digest") == ["req-new"]
     assert ids("--detector", "canary") == ["req-old"]
 
