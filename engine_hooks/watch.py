@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
+import secrets
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -59,10 +61,22 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 DETECTOR_NAMES = ("canary", "checksum", "page_tag", "admission")
-# Mismatches already reported, remembered so a request is reported once per detector and kind.
+# Mismatches already reported, remembered so a request instance is reported once per detector
+# and kind.
 _REMEMBERED_REPORTS = 4096
 # From this many pages on, a host-memory batch check is cheaper as tensor ops than in Python.
 _VECTOR_PAGES = 96
+
+
+# Request instances: a random per-process prefix and a counter (unique without coordination).
+_INSTANCE_PREFIX = secrets.token_hex(4)
+_INSTANCE_COUNTER = itertools.count(1)
+
+
+def new_instance() -> str:
+    """A fresh request instance id: one admission of a request. A request id is not an
+    identity (clients reuse them); events are keyed by the instance, the id stays a field."""
+    return f"{_INSTANCE_PREFIX}-{next(_INSTANCE_COUNTER):x}"
 
 
 @dataclass(slots=True)
@@ -72,6 +86,7 @@ class Ticket:
     request_id: str
     pages: Ints
     tags: Ints
+    instance: str = ""
     # The same as tensors, built once and reused by every decode step's batch check.
     _as_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -228,15 +243,16 @@ class KVWatch:
         return self._settle(findings)
 
     @_hook("reserve", lambda: None)
-    def on_reserve(self, request_id: str, pages: PageIds) -> Ticket | None:
-        """Decode reserved destination pages for a request: stamp them, remember generations."""
+    def on_reserve(self, request_id: str, pages: PageIds, instance: str = "") -> Ticket | None:
+        """Decode reserved destination pages for a request: stamp them, remember generations.
+        The ticket carries ``instance``, or a fresh one (:func:`new_instance`)."""
         if self.state is None or self.canary is None:
             return None
         index = self.state.index(pages)
         tags = self.state.generations(index)
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, tags, Purpose.RESERVED)
-        return Ticket(request_id, index, tags)
+        return Ticket(request_id, index, tags, instance or new_instance())
 
     @_hook("reserve", lambda: None)
     def extend(self, ticket: Ticket, pages: PageIds) -> None:
@@ -268,16 +284,16 @@ class KVWatch:
             for name in ("canary", "checksum", "page_tag"):
                 self.stats.skipped(name, "no_pool")
             return []
-        rid = ticket.request_id
+        rid, instance = ticket.request_id, ticket.instance
         findings: list[Finding] = []
         if not self.canary.usable:
             self.stats.skipped("canary", "unsupported_layout")
         elif self.canary.active():
-            findings.append(self.canary.check_reserved(rid, ticket.pages, ticket.tags))
+            findings.append(self.canary.check_reserved(rid, ticket.pages, ticket.tags, instance))
             self.stats.verified("canary")
         if self.tags.active():
             owners = [(rid, ticket.page_count)]
-            findings.append(self.tags.compare(owners, ticket.pages, ticket.tags))
+            findings.append(self.tags.compare(owners, ticket.pages, ticket.tags, (instance,)))
             self.stats.verified("page_tag")
         verdicts = [self._report(v) for f in findings for v in f.resolve()]
         if self.checksum.active():
@@ -287,7 +303,7 @@ class KVWatch:
                 verdict = self.checksum.verify(rid, ticket.pages, seal)
                 self.stats.verified("checksum")
                 if not verdict.ok:
-                    verdicts.append(self._report(verdict))
+                    verdicts.append(self._report(replace(verdict, instance=instance)))
         return verdicts
 
     @_hook("step", list)
@@ -303,6 +319,7 @@ class KVWatch:
             return []
         self.stats.verified("page_tag", len(tickets))
         owners = [(t.request_id, t.page_count) for t in tickets]
+        instances = tuple(t.instance for t in tickets)
         if self._on_device or sum(count for _, count in owners) >= _VECTOR_PAGES:
             assert self.pool is not None
             pairs = [t.tensors(self.pool.device) for t in tickets]
@@ -311,18 +328,21 @@ class KVWatch:
         else:
             pages = self.state.concat([t.pages for t in tickets])
             expected = self.state.concat([t.tags for t in tickets])
-        return self._settle([self.tags.compare(owners, pages, expected)])
+        return self._settle([self.tags.compare(owners, pages, expected, instances)])
 
     @_hook("admission", lambda: Verdict("admission", ""))
     def on_admission(
-        self, request_id: str, queue: str, *, aborted: bool, finished: bool
+        self, request_id: str, queue: str, *, aborted: bool, finished: bool, instance: str = ""
     ) -> Verdict:
-        """An admission queue is about to admit a request; ``aborted`` is ``to_finish`` set."""
+        """An admission queue is about to admit a request; ``aborted`` is ``to_finish`` set.
+        Each call is one admission: without ``instance`` it gets a fresh one."""
         if not self.admission.active():
             return self.admission.clean(request_id)
         self.stats.verified("admission")
         verdict = self.admission.check(request_id, queue, aborted, finished)
-        return verdict if verdict.ok else self._report(verdict)
+        if verdict.ok:
+            return verdict
+        return self._report(replace(verdict, instance=instance or new_instance()))
 
     @_hook("resolve", list)
     def resolve(self) -> list[Verdict]:
@@ -340,30 +360,31 @@ class KVWatch:
         return [self._report(v) for f in findings for v in f.resolve()]
 
     def _report(self, verdict: Verdict) -> Verdict:
-        """Count a mismatch and write its event record, once per request, detector and kind:
-        a stale page found at admit is found again at every decode step of the same request."""
-        key = (verdict.request_id, verdict.detector, verdict.kind or "other")
-        if verdict.request_id and key in self._reported:
+        """Count a mismatch and write its event record, once per request instance, detector and
+        kind: a stale page found at admit is found again at every decode step of the same
+        request. The instance, not the request id: two requests may share an id."""
+        key = (verdict.instance, verdict.detector, verdict.kind or "other")
+        if verdict.instance and key in self._reported:
             return verdict
-        if verdict.request_id:
+        if verdict.instance:
             self._reported[key] = None
             if len(self._reported) > _REMEMBERED_REPORTS:
                 self._reported.popitem(last=False)
         self.stats.mismatch(verdict.detector, verdict.kind or "other")
         if self.spool is not None:
-            self.spool.write(
-                schema.EVENT,
-                {
-                    "detector": verdict.detector,
-                    "kind": verdict.kind or "other",
-                    "mode": str(verdict.mode),
-                    "action": "enforced" if verdict.blocks else "logged",
-                    "request_id": verdict.request_id[:128],
-                    "pages": list(verdict.pages[: schema.MAX_EVENT_PAGES]),
-                    "pages_total": len(verdict.pages),
-                    "detail": verdict.detail,
-                },
-            )
+            record: dict[str, Any] = {
+                "detector": verdict.detector,
+                "kind": verdict.kind or "other",
+                "mode": str(verdict.mode),
+                "action": "enforced" if verdict.blocks else "logged",
+                "request_id": verdict.request_id[:128],
+                "pages": list(verdict.pages[: schema.MAX_EVENT_PAGES]),
+                "pages_total": len(verdict.pages),
+                "detail": verdict.detail,
+            }
+            if verdict.instance:
+                record["instance"] = verdict.instance[:128]
+            self.spool.write(schema.EVENT, record)
         return verdict
 
     def counter_series(self) -> list[list[Any]]:
