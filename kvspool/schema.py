@@ -177,6 +177,10 @@ def _check_event(record: dict[str, Any]) -> None:
         raise _malformed("pages must be at most MAX_EVENT_PAGES integers")
     if type(total := record.get("pages_total")) is not int or abs(total) >= 1 << 63:
         raise _malformed("pages_total must be an integer")
+    # Optional: the request instance (one admission of request_id; ids can repeat).
+    instance = record.get("instance", "")
+    if type(instance) is not str or len(instance) > MAX_STRING_CHARS:
+        raise _malformed("field 'instance' not a string or too long")
     detail = record.get("detail", {})
     if type(detail) is not dict or not all(type(v) in (int, str) for v in detail.values()):
         raise _malformed("detail must map names to integers or strings")

@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS incidents (
     id INTEGER PRIMARY KEY, ts REAL NOT NULL, node TEXT, role TEXT, engine TEXT,
     engine_version TEXT, model TEXT, rank INTEGER, producer TEXT NOT NULL, seq INTEGER NOT NULL,
     request_id TEXT NOT NULL, detector TEXT NOT NULL, kind TEXT NOT NULL, mode TEXT,
-    action TEXT, pages TEXT NOT NULL, pages_total INTEGER NOT NULL, detail TEXT NOT NULL
+    action TEXT, pages TEXT NOT NULL, pages_total INTEGER NOT NULL, detail TEXT NOT NULL,
+    instance TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS incidents_ts ON incidents (ts);
 CREATE TABLE IF NOT EXISTS rejects (
@@ -135,6 +136,9 @@ class Journal:
         self.db.execute("PRAGMA synchronous = NORMAL")
         self.db.execute("PRAGMA busy_timeout = 5000")
         self.db.executescript(_SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(incidents)")}
+        if "instance" not in columns:  # a journal written before events carried instances
+            self.db.execute("ALTER TABLE incidents ADD COLUMN instance TEXT NOT NULL DEFAULT ''")
         row = self.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
         if row is None:
             self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
@@ -222,7 +226,8 @@ class Journal:
                 db.executemany(
                     "INSERT INTO incidents (ts, node, role, engine, engine_version, model, rank,"
                     " producer, seq, request_id, detector, kind, mode, action, pages, pages_total,"
-                    " detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " detail, instance) VALUES"
+                    " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     batch.incidents,
                 )
             if batch.rejects:
@@ -343,7 +348,7 @@ class Journal:
     ) -> list[dict[str, Any]]:
         sql = (
             "SELECT ts, node, role, engine, engine_version, model, rank, producer, seq,"
-            " request_id, detector, kind, mode, action, pages, pages_total, detail"
+            " request_id, detector, kind, mode, action, pages, pages_total, detail, instance"
             " FROM incidents"
         )
         where: list[str] = []
@@ -378,6 +383,7 @@ class Journal:
                     "pages": [int(p) for p in row[14].split(",") if p],
                     "pages_total": row[15],
                     "detail": json.loads(row[16]),
+                    "instance": row[17],
                 }
             )
         return out

@@ -383,6 +383,7 @@ class SpoolReader:
                 ",".join(map(str, record["pages"])),
                 record["pages_total"],
                 _encode_detail(detail) if detail else "{}",
+                record.get("instance", ""),
             )
         )
         labels = (

@@ -37,6 +37,17 @@ GOOD = [
         pages_total=2,
         detail={"x": 1},
     ),
+    base(
+        type="event",
+        detector="page_tag",
+        kind="stale_tag",
+        mode="log",
+        action="logged",
+        request_id="r",
+        pages=[1],
+        pages_total=1,
+        instance="9f3c01aa-2",
+    ),
     base(type="seal", next_segment="p.000001.kvs"),
 ]
 
@@ -72,6 +83,22 @@ def test_valid_records_round_trip(record: dict[str, Any]) -> None:
                     request_id="r",
                     pages=list(range(MAX_EVENT_PAGES + 1)),
                     pages_total=1,
+                )
+            ),
+            "malformed",
+        ),
+        (
+            encode_payload(
+                base(
+                    type="event",
+                    detector="c",
+                    kind="k",
+                    mode="log",
+                    action="logged",
+                    request_id="r",
+                    pages=[],
+                    pages_total=0,
+                    instance=7,
                 )
             ),
             "malformed",

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import io
+import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 
+from kvwatch import incidents
 from kvwatch.journal import RETIRED_GRACE, Journal, JournalError
 from kvwatch.spool_reader import SpoolReader
 from tests.kvwatch.spoolgen import T0, Producer
@@ -122,3 +125,43 @@ def test_prune_deletes_only_the_records_rows_past_their_retention(journal: Journ
     journal.prune(journal.load(), now=now, retention=86400, records_retention=30)
     kept = [r[0] for r in journal.db.execute("SELECT seq FROM records ORDER BY rowid")]
     assert kept == list(range(70, 100))  # ts >= now - 30
+
+
+def test_incidents_keep_the_request_instance(spool: Path, journal: Journal) -> None:
+    """Two requests that share a request id are two incidents, told apart by their instance."""
+    reader = SpoolReader(spool, journal, journal.load(), idle_grace=3600)
+    p = Producer(spool)
+    p.append(p.hello(), p.event("same", instance="i-1"), p.event("same", instance="i-2"))
+    p.append(p.event("older"))  # a producer that sends no instance
+    reader.poll()
+    rows = journal.incidents()
+    assert [(r["request_id"], r["instance"]) for r in rows] == [
+        ("same", "i-1"),
+        ("same", "i-2"),
+        ("older", ""),
+    ]
+    out = io.StringIO()
+    incidents.render(rows, out, as_json=False)
+    lines = out.getvalue().splitlines()
+    assert lines[0].split()[5:7] == ["REQUEST", "INSTANCE"]
+    assert [line.split()[4:6] for line in lines[1:3]] == [["same", "i-1"], ["same", "i-2"]]
+    assert lines[3].split()[4:6] == ["older", "-"]
+
+
+def test_a_journal_from_before_instances_gains_the_column(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE incidents (id INTEGER PRIMARY KEY, ts REAL NOT NULL, node TEXT, role TEXT,"
+        " engine TEXT, engine_version TEXT, model TEXT, rank INTEGER, producer TEXT NOT NULL,"
+        " seq INTEGER NOT NULL, request_id TEXT NOT NULL, detector TEXT NOT NULL,"
+        " kind TEXT NOT NULL, mode TEXT, action TEXT, pages TEXT NOT NULL,"
+        " pages_total INTEGER NOT NULL, detail TEXT NOT NULL);"
+        " INSERT INTO incidents VALUES (1, 1.0, 'n', 'decode', 'sglang', 'v', 'm', 0, 'p', 1,"
+        " 'old', 'canary', 'unwritten_page', 'log', 'logged', '1,2', 2, '{}');"
+    )
+    db.close()
+    journal = Journal(path)
+    [row] = journal.incidents()
+    assert (row["request_id"], row["instance"]) == ("old", "")
+    journal.close()
