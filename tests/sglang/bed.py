@@ -17,6 +17,7 @@ step's KV slots), and the scheduler's metrics and load publishing (no-ops).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from array import array
 from collections.abc import Iterable, Sequence
@@ -161,20 +162,25 @@ class Bed:
             token_to_kv_pool_allocator=self.allocator,
             page_size=page_size,
         )
+        # The tree SGLang's own factory picks for these settings (the context's fields vary by
+        # release: pass the ones this release declares).
+        context = dict(
+            server_args=server_args,
+            params=params,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=False,
+            enable_hierarchical_cache=False,
+            disable_radix_cache=not radix,
+            tp_worker=None,
+            model_config=None,
+            tp_size=1,
+            tp_rank=0,
+            tp_group=None,
+            effective_chunked_prefill_size=None,
+        )
+        declared = {f.name for f in dataclasses.fields(registry.TreeCacheBuildContext)}
         self.tree = registry.create_tree_cache(
-            registry.TreeCacheBuildContext(
-                server_args=server_args,
-                params=params,
-                is_hybrid_swa=False,
-                is_hybrid_ssm=False,
-                enable_hierarchical_cache=False,
-                disable_radix_cache=not radix,
-                tp_worker=None,
-                model_config=None,
-                tp_size=1,
-                tp_rank=0,
-                tp_group=None,
-            )
+            registry.TreeCacheBuildContext(**{k: v for k, v in context.items() if k in declared})
         )
         self.model_config = _model_config()
         self.streamer = Streamer()
@@ -188,21 +194,25 @@ class Bed:
                 manager.prefill_info_table = {}
                 return manager
 
-        self.queue = Queue(
-            self.rows,
-            self.allocator,
-            None,
-            None,
-            None,
-            self.scheduler,
-            None,
-            self.tree,
-            0,
-            8998,
-            size,
-            0,
-            TransferBackend.FAKE,
+        # By name: the constructor's parameters vary by release. No metadata buffers, transfer
+        # queue or draft pool: the fake transport needs none.
+        known = dict(
+            req_to_token_pool=self.rows,
+            token_to_kv_pool_allocator=self.allocator,
+            scheduler=self.scheduler,
+            tree_cache=self.tree,
+            tp_rank=0,
+            tp_size=1,
+            dp_size=1,
+            pp_rank=0,
+            gpu_id=0,
+            bootstrap_port=8998,
+            max_total_num_tokens=size,
+            num_reserved_decode_tokens=0,
+            transfer_backend=TransferBackend.FAKE,
         )
+        names = list(inspect.signature(DecodePreallocQueue.__init__).parameters)[1:]
+        self.queue = Queue(**{name: known.get(name) for name in names})
         self.scheduler.disagg_decode_prealloc_queue = self.queue
         self.future_map = FutureMap(torch.device("cpu"), _no_spec(), self.rows)
         self.running: Any = None
@@ -238,6 +248,9 @@ class Bed:
             "enable_decode_hicache": False,
             "random_seed": 0,
             "tp_worker": types.SimpleNamespace(is_hybrid_swa=False),
+            "ps": types.SimpleNamespace(pp_size=1),  # v0.5.19 reads the pipeline size here
+            # No beam search here: the door's retire path asks it to forget no group.
+            "beam_coordinator": types.SimpleNamespace(retire_group=lambda req: None),
             "output_streamer": self.streamer,
             "stream_output": self.streamer.stream_output,
             "scheduler_stage_metrics": None,
