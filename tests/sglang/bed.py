@@ -69,6 +69,10 @@ def _model_config() -> Any:
     )
 
 
+def _same(batch: Any, *args: Any, **kwargs: Any) -> Any:
+    return batch
+
+
 def _no_spec() -> Any:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -120,6 +124,7 @@ class Bed:
         from sglang.srt.disaggregation.fake.conn import FakeKVManager
         from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
         from sglang.srt.managers.overlap_utils import FutureMap
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.mem_cache import registry
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -210,16 +215,23 @@ class Bed:
             max_total_num_tokens=size,
             num_reserved_decode_tokens=0,
             transfer_backend=TransferBackend.FAKE,
+            # Transfers complete at once here (bed.transfer): none is ever in flight.
+            transfer_queue=types.SimpleNamespace(queue=[], enable_staging=False),
         )
         names = list(inspect.signature(DecodePreallocQueue.__init__).parameters)[1:]
         self.queue = Queue(**{name: known.get(name) for name in names})
         self.scheduler.disagg_decode_prealloc_queue = self.queue
         self.future_map = FutureMap(torch.device("cpu"), _no_spec(), self.rows)
-        self.running: Any = None
+        self.scheduler.future_map = self.future_map
+        self.running: Any = ScheduleBatch(reqs=[], batch_is_full=False)
+        self.scheduler.running_batch = self.running
         self.dst: dict[int, torch.Tensor] = {}
 
     def _scheduler(self, scheduler_cls: Any, mode: Any) -> Any:
         from sglang.srt.managers.scheduler_components import batch_result_processor as brp
+        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
+            NewTokenRatioTracker,
+        )
 
         scheduler = scheduler_cls.__new__(scheduler_cls)
         quiet = _Quiet()
@@ -262,6 +274,24 @@ class Bed:
             # Metrics and load publishing only: nothing here touches KV.
             "publish_load_snapshot": lambda force=False: None,
             "_record_step_counters": lambda batch, result: None,
+            # The loop's own state, as Scheduler.__init__ leaves it for this configuration.
+            "waiting_queue": [],
+            "max_running_requests": 1 << 20,
+            "spec_algorithm": _no_spec(),
+            "model_config": self.model_config,
+            "enable_overlap": False,
+            "enable_priority_scheduling": False,
+            "enable_skip_finishing_decode": False,
+            "chunked_req": None,
+            "kv_checksum_computer": None,
+            "forward_ct": 0,
+            "last_batch": None,
+            "new_token_ratio_tracker": NewTokenRatioTracker.from_config(),
+            "decode_offload_manager": None,
+            # No grammars, n-gram embeddings or DP attention in these models.
+            "grammar_manager": types.SimpleNamespace(has_waiting_grammars=lambda: False),
+            "ngram_embedding_manager": types.SimpleNamespace(prepare_for_forward=_same),
+            "dp_attn_adapter": types.SimpleNamespace(maybe_prepare_mlp_sync_batch=_same),
         }
         for name, value in state.items():
             setattr(scheduler, name, value)
@@ -278,7 +308,7 @@ class Bed:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def request(self, rid: str, tokens: Sequence[int], max_new_tokens: int = 4) -> Any:
+    def request(self, rid: str, tokens: Sequence[int], max_new_tokens: int = 8) -> Any:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -339,55 +369,48 @@ class Bed:
         self.write_pages(pages if written is None else pages[:written])
         req.output_ids.append(first_token)
 
-    # -- admission and decode steps ------------------------------------------------------------
-
-    def _batch(self, reqs: list[Any]) -> Any:
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-        return ScheduleBatch.init_new(
-            reqs, self.rows, self.allocator, self.tree, self.model_config, False, _no_spec()
-        )
+    # -- the decode scheduler's loop --------------------------------------------------------
 
     def admit(self, reqs: list[Any]) -> list[Any]:
-        """The decode scheduler's prebuilt batch: ``prepare_for_prebuilt``, ``process_prebuilt``,
-        ``process_batch_result`` (finishes what must not run), then merge into the running batch.
-        Returns the requests SGLang finished at admission."""
-        from sglang.srt.managers.utils import GenerationBatchResult
-
-        batch = self._batch(reqs)
-        batch.prepare_for_prebuilt()
-        batch.process_prebuilt(self.future_map)
-        self.scheduler.process_batch_result(batch, GenerationBatchResult())
-        done = [r for r in batch.reqs if r.finished()]
-        batch.filter_batch()
-        if not batch.is_empty():
-            if self.running is None or self.running.is_empty():
-                self.running = batch
-            else:
-                self.running.merge_batch(batch)
-        return done
+        """Transferred requests join the waiting queue (as ``pop_transferred`` leaves them), and
+        the scheduler runs one iteration: admission (``process_prebuilt``) and a decode step.
+        Returns the requests finished in it (at admission, in enforce mode, among them)."""
+        self.scheduler.waiting_queue.extend(reqs)
+        return self.step()
 
     def step(self, token: int = 13) -> list[Any]:
-        """One decode step of the running batch; returns the requests it finished."""
+        """One iteration of the decode event loop: resume retracted requests, then SGLang's
+        ``get_next_disagg_decode_batch_to_run`` (prebuilt admission, filter, merge,
+        ``update_running_batch``: retraction, ``prepare_for_decode``), the forward (this stand-in
+        writes the step's KV slots) and ``process_batch_result``. Returns what finished."""
         from sglang.srt.managers.utils import GenerationBatchResult
 
-        batch = self.running
-        if batch is None or batch.is_empty():
-            return []
-        batch.prepare_for_decode()
-        for buf in self.buffers():  # the forward writes this step's KV slots
-            buf[batch.out_cache_loc] = 0.25
-        result = GenerationBatchResult(
-            next_token_ids=torch.full((len(batch.reqs),), token, dtype=torch.int64)
-        )
-        self.scheduler.process_batch_result(batch, result)
-        done = [r for r in batch.reqs if r.finished()]
-        batch.filter_batch()
-        return done
+        before = len(self.streamer.finished)
+        self.scheduler.waiting_queue.extend(self.queue.resume_retracted_reqs())
+        plan = self.scheduler.get_next_disagg_decode_batch_to_run(self.running)
+        self.running = self.scheduler.running_batch = plan.running_batch
+        batch = self.scheduler.ngram_embedding_manager.prepare_for_forward(plan.batch_to_run)
+        if batch:
+            for buf in self.buffers():
+                buf[batch.out_cache_loc] = 0.25
+            result = GenerationBatchResult(
+                next_token_ids=torch.full((len(batch.reqs),), token, dtype=torch.int64)
+            )
+            self.scheduler.forward_ct += 1
+            self.scheduler.process_batch_result(batch, result)
+        self.scheduler.last_batch = batch
+        return self.streamer.finished[before:]
 
-    def run_until_idle(self, limit: int = 1000) -> None:
+    def idle(self) -> bool:
+        return (
+            self.running.is_empty()
+            and not self.scheduler.waiting_queue
+            and not self.queue.retracted_queue
+        )
+
+    def run_until_idle(self, limit: int = 10000) -> None:
         for _ in range(limit):
-            if self.running is None or self.running.is_empty():
+            if self.idle():
                 return
             self.step()
         raise AssertionError("decode did not drain")
