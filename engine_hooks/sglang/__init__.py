@@ -39,6 +39,12 @@ HOOKS: tuple[tuple[str, Callable[..., Any], str, str | None], ...] = (
     (C.BATCH_MIXIN + ".process_prebuilt", hooks_disagg.before_process_prebuilt, "BEFORE", "x"),
     (C.BATCH_MIXIN + ".process_prebuilt", hooks_disagg.after_process_prebuilt, "AFTER", "x"),
     (
+        C.RESULTS + ".process_batch_result_prebuilt",
+        hooks_disagg.after_prebuilt_result,
+        "AFTER",
+        "x",
+    ),
+    (
         C.DECODE_MIXIN + "._verify_kv_checksums",
         hooks_engine.around_verify_kv_checksums,
         "AROUND",

@@ -10,6 +10,8 @@
   (AFTER): the ticket follows the request's row. With the decode radix cache, the tree insert
   inside ``process_prebuilt`` frees a request's pages that duplicate cached ones and points its
   row at the cached pages; the ticket must name what the row reads, not the freed pages.
+- ``process_batch_result_prebuilt`` (AFTER): a request finished at admission lets go of its
+  ticket.
 - ``Scheduler.process_batch_result`` (AFTER): per decode step, the running requests' pages
   still carry their generations; deferred device results are read here, where SGLang has
   already synchronised on the step's output.
@@ -305,6 +307,17 @@ def check_steps(reqs: list[Any]) -> None:
             req = by_instance.get(verdict.instance)
             if req is not None:
                 _enforce(req, [verdict])
+
+
+@safe("step")
+def after_prebuilt_result(result: Any, processor: Any, batch: Any, *a: Any, **k: Any) -> None:
+    """Admission's results: a request finished there (one output token, failed in enforce
+    mode) never reaches a decode step; its ticket goes with it."""
+    rt = runtime()
+    if rt.tickets:
+        for req in batch.reqs:
+            if req.finished():
+                rt.drop_ticket(req)
 
 
 @safe("step")

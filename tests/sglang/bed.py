@@ -42,6 +42,7 @@ class _Quiet:
     num_generated_tokens = 0
     forward_ct_decode = 0
     decode_log_interval = 1 << 30
+    enable_metrics = False
 
     def __getattr__(self, name: str) -> Any:
         return lambda *args, **kwargs: None
@@ -96,12 +97,19 @@ class Bed:
 
         # What `--disaggregation-mode decode [--disaggregation-decode-enable-radix-cache]
         # --page-size N` publishes: the radix cache stays disabled in decode unless asked for.
-        self._config = get_context().override_server_args(
+        from sglang.srt.server_args import ServerArgs
+
+        fields: dict[str, Any] = dict(
             disaggregation_mode="decode",
             disaggregation_decode_enable_radix_cache=radix,
             disable_radix_cache=not radix,
             page_size=page_size,
         )
+        # Retraction keeps a host copy of the request's KV (what SGLang resolves for this pool
+        # at start-up; v0.5.23 publishes the choice, older releases have only this backend).
+        if "disaggregation_decode_retraction_backup" in ServerArgs.__struct_fields__:
+            fields["disaggregation_decode_retraction_backup"] = "cpu_tensor"
+        self._config = get_context().override_server_args(**fields)
         server_args = self._config.install()
         try:
             self._build(server_args, page_size, radix, pages, rows, context, kind)

@@ -169,6 +169,16 @@ def test_a_finished_request_drops_its_ticket(kv: Any, bed: Bed) -> None:
     assert req.finished() and kv.ticket(req) is None
 
 
+def test_a_request_finished_at_admission_drops_its_ticket(kv: Any, bed: Bed) -> None:
+    """One output token (prefill's): SGLang finishes it at admission, it never decodes."""
+    req = bed.request("one-token", tokens(20), max_new_tokens=1)
+    assert bed.arrive(req)
+    bed.reserve(req)
+    bed.transfer(req)
+    assert bed.admit([req]) == [req]
+    assert kv.tickets == {}
+
+
 def test_a_reused_request_id_is_two_requests(kv: Any, bed: Bed) -> None:
     """Finding 5 through SGLang: two requests share an id, each reads three unwritten pages."""
     reqs = [arrive_and_reserve(bed, "same-rid", 64, start=1 + 100 * i) for i in range(2)]
