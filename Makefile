@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test
+.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test \
+	mutation-sglang
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,12 +52,17 @@ unit: $(STAMP) tools
 sglang-test: $(STAMP)
 	bash tests/sglang/run.sh
 
+# Each hook of the SGLang plugin removed in turn: every mutant must fail a test (prints a table).
+mutation-sglang: $(STAMP)
+	bash tests/sglang/setup_env.sh
+	KVWATCH_SGLANG_STAGE=1 build/sglang-venv/bin/python -m tests.mutation tests.sglang.mutants
+
 # vLLM 0.33.0 (CPU) from PyPI in its own venv under build/, cached.
 vllm-test:
 	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
 	build/vllm-venv/bin/python -m pytest tests/vllm
 
-test: tools lint typecheck unit sglang-test vllm-test
+test: tools lint typecheck unit sglang-test mutation-sglang vllm-test
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py

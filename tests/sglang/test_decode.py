@@ -160,6 +160,37 @@ def test_decode_radix_cache_dedup_is_not_a_stale_page(kv: Any, page_size: int) -
         assert sgl.spool(kv).events() == []
 
 
+def test_a_late_write_is_caught_when_decode_reserves_the_page(kv: Any, bed: Bed) -> None:
+    """A stray write into a page SGLang freed: ``_pre_alloc`` (``alloc_extend``) takes it."""
+    done = arrive_and_reserve(bed, "done", 48)
+    pages = bed.dst_pages(done)
+    bed.transfer(done)
+    bed.admit([done])
+    bed.run_until_idle()
+    bed.write_pages([pages[1]], value=0.75)  # a late transfer lands after the free
+    bed.allocator.merge_and_sort_free()
+    taker = arrive_and_reserve(bed, "taker", 48)
+    assert pages[1] in bed.dst_pages(taker)
+    events = sgl.spool(kv).events(detector="canary", kind="write_to_free_page")
+    assert [e["pages"] for e in events] == [[pages[1]]]
+
+
+def test_a_late_write_is_caught_when_a_decode_step_takes_the_page(kv: Any, bed: Bed) -> None:
+    """The same, when a decode step's ``alloc_decode`` takes the page (a token past a page)."""
+    first = arrive_and_reserve(bed, "first", 32)
+    second = arrive_and_reserve(bed, "second", 32, start=500)  # exactly two pages
+    freed = bed.dst_pages(first)
+    bed.transfer(first)
+    bed.admit([first])
+    bed.run_until_idle()
+    bed.write_pages([freed[0]], value=0.75)
+    bed.allocator.merge_and_sort_free()
+    bed.transfer(second)
+    bed.admit([second])  # its first decode token starts a new page: the lowest free one
+    events = sgl.spool(kv).events(detector="canary", kind="write_to_free_page")
+    assert [e["pages"] for e in events] == [[freed[0]]]
+
+
 def test_a_finished_request_drops_its_ticket(kv: Any, bed: Bed) -> None:
     req = arrive_and_reserve(bed, "done-6", 20)
     assert kv.ticket(req) is not None
