@@ -14,6 +14,12 @@ def base(**fields: Any) -> dict[str, Any]:
     return {"v": 1, "producer": "p", "seq": 1, "ts": 1.0} | fields
 
 
+def event(**fields: Any) -> dict[str, Any]:
+    """A valid event record, with ``fields`` changed."""
+    defaults = dict(detector="c", kind="k", mode="log", action="logged", request_id="r")
+    return base(type="event", **defaults, pages=[], pages_total=0) | fields
+
+
 GOOD = [
     base(
         type="hello",
@@ -72,37 +78,8 @@ def test_valid_records_round_trip(record: dict[str, Any]) -> None:
             ),
             "malformed",
         ),
-        (
-            encode_payload(
-                base(
-                    type="event",
-                    detector="c",
-                    kind="k",
-                    mode="log",
-                    action="logged",
-                    request_id="r",
-                    pages=list(range(MAX_EVENT_PAGES + 1)),
-                    pages_total=1,
-                )
-            ),
-            "malformed",
-        ),
-        (
-            encode_payload(
-                base(
-                    type="event",
-                    detector="c",
-                    kind="k",
-                    mode="log",
-                    action="logged",
-                    request_id="r",
-                    pages=[],
-                    pages_total=0,
-                    instance=7,
-                )
-            ),
-            "malformed",
-        ),
+        (encode_payload(event(pages=list(range(MAX_EVENT_PAGES + 1)))), "malformed"),
+        (encode_payload(event(instance=7)), "malformed"),
         (encode_payload(base(type="seal", next_segment="x", seq=0)), "malformed"),
         (encode_payload(base(type="seal", next_segment="x", seq=True)), "malformed"),
     ],
