@@ -107,7 +107,10 @@ class Bed:
         )
         # Retraction keeps a host copy of the request's KV (what SGLang resolves for this pool
         # at start-up; v0.5.23 publishes the choice, older releases have only this backend).
-        if "disaggregation_decode_retraction_backup" in ServerArgs.__struct_fields__:
+        known = getattr(ServerArgs, "__struct_fields__", None) or {
+            f.name for f in dataclasses.fields(ServerArgs)
+        }
+        if "disaggregation_decode_retraction_backup" in known:
             fields["disaggregation_decode_retraction_backup"] = "cpu_tensor"
         self._config = get_context().override_server_args(**fields)
         server_args = self._config.install()

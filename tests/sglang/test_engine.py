@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -52,8 +53,10 @@ def test_pool_versus_context_and_engine_identity(kv: Any) -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Scheduler, "init_startup_timing_begin", stop, raising=False)
+        # (server_args, port_args); v0.5.19 also takes the ranks, all 0 on one rank.
+        ranks = [0] * (len(inspect.signature(Scheduler.__init__).parameters) - 3)
         with pytest.raises(StopInitError):
-            Scheduler(server_args, None)
+            Scheduler(server_args, None, *ranks)
     sgl.allocator(sgl.mha_pool())  # the pool is built after the role is known
     hooks_engine.report_pool(681_280, 1_048_576, sgl.PAGE_SIZE)
     contents = sgl.spool(kv)
