@@ -145,6 +145,7 @@ def test_sglang_kv_checksum_coverage_and_mismatch(kv: Any) -> None:
     assert skipped == 2
     events = contents.events(detector="engine_checksum", kind="digest")
     assert [(e["request_id"], e["action"]) for e in events] == [("b", "enforced")]
+    assert events[0]["instance"] == kv.instance_of(req)
 
 
 def _start_daemon(tmp: Path, spool: str) -> tuple[subprocess.Popen[bytes], Path, int]:
