@@ -5,11 +5,33 @@ One mutant per entry of the plugin's ``HOOKS``: the plugin registers every hook 
 mutant must fail at least one of them. Run in build/sglang-venv (``make mutation-sglang``)::
 
     KVWATCH_SGLANG_STAGE=1 build/sglang-venv/bin/python -m tests.mutation tests.sglang.mutants
+
+It also speaks the (name, command) interface of a driver that runs each mutant in its own
+interpreter: :func:`mutants` lists the commands, and ``mutants.py NAME -- PYTEST-ARGS`` removes
+hook NAME and runs the tests.
 """
 
 from __future__ import annotations
 
-from tests.mutation import Mutant
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository first, not tests/sglang
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """What ``tests/mutation.py``'s in-process driver reads (name, apply, tests, exempt); kept
+    here so this file also serves a driver with another mutant type."""
+
+    name: str
+    apply: Callable[[], None]
+    tests: tuple[str, ...]
+    exempt: str = ""
+
 
 D = "tests/sglang/test_decode.py::"
 M = "tests/sglang/test_memory.py::"
@@ -118,3 +140,38 @@ def prepare() -> None:
 
 
 __all__ = ["BASELINE", "MUTANTS", "prepare"]
+
+
+# -- the (name, command) interface -------------------------------------------------------------
+
+NONE_REMOVED = "(none removed)"
+PYTEST = ["-x", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+
+
+def mutants() -> list[tuple[str, list[str]]]:
+    """(name, command) per mutant, the baseline (nothing removed) first. An exempt hook is not
+    listed as a mutant; it is named here, with its reason."""
+    script = [sys.executable, str(Path(__file__).resolve())]
+    pairs = [(NONE_REMOVED, [*script, NONE_REMOVED, "--", *BASELINE, *PYTEST])]
+    for m in MUTANTS:
+        if m.exempt:
+            print(f"mutation: exempt: {m.name} ({m.exempt})")
+            continue
+        pairs.append((m.name, [*script, m.name, "--", *m.tests, *PYTEST]))
+    return pairs
+
+
+def _main(argv: list[str]) -> int:
+    import os
+
+    import pytest
+
+    name, tests = argv[0], argv[argv.index("--") + 1 :]
+    os.environ.setdefault("KVWATCH_SGLANG_STAGE", "1")
+    if name != NONE_REMOVED:
+        next(m for m in MUTANTS if m.name == name).apply()
+    return int(pytest.main(tests))
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
