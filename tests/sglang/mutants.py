@@ -15,22 +15,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script: the repository first, not tests/sglang
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 
-@dataclass(frozen=True)
 class Mutant:
     """What ``tests/mutation.py``'s in-process driver reads (name, apply, tests, exempt); kept
-    here so this file also serves a driver with another mutant type."""
+    here so this file also serves a driver with another mutant type. (A plain class: a driver
+    may load this file without registering it as a module, which dataclasses need.)"""
 
-    name: str
-    apply: Callable[[], None]
-    tests: tuple[str, ...]
-    exempt: str = ""
+    def __init__(
+        self, name: str, apply: Callable[[], None], tests: tuple[str, ...], exempt: str = ""
+    ) -> None:
+        self.name, self.apply, self.tests, self.exempt = name, apply, tests, exempt
 
 
 D = "tests/sglang/test_decode.py::"

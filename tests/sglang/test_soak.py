@@ -228,8 +228,9 @@ def test_every_fault_class_is_caught_in_the_same_traffic(
         # The stolen page is freed again when its first owner finishes: a double free follows.
         follows = {("page_tag", "double_free")} if fault[1] == "stale_tag" else set()
         assert fault in kinds and kinds <= {fault, *follows}
-        action = "logged" if mode == "log" else "enforced"
-        assert {e["action"] for e in events} == {action}
+        # A late write is logged in both modes: no request to fail (its writer is gone).
+        enforced = mode == "enforce" and fault[1] != "write_to_free_page"
+        assert {e["action"] for e in events} == {"enforced" if enforced else "logged"}
         if isinstance(victim, int):  # a page: found when SGLang allocates it again
             assert [e["pages"] for e in events] == [[victim]]
             return
