@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test \
-	mutation-vllm vllm-pd-test gpu-check dist
+	mutation-vllm mutation-sglang vllm-pd-test gpu-check dist
 
 $(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ unit: $(STAMP) tools
 sglang-test: $(STAMP)
 	bash tests/sglang/run.sh
 
+# Each hook of the SGLang plugin removed in turn: every mutant must fail a test (prints a table).
+mutation-sglang: $(STAMP)
+	bash tests/sglang/setup_env.sh
+	KVWATCH_SGLANG_STAGE=1 build/sglang-venv/bin/python tests/mutation.py sglang
+
 # vLLM 0.33.0 (CPU) from PyPI in its own venv under build/, cached.
 vllm-test:
 	PYTHON=$(PYTHON) bash tests/vllm/setup_env.sh
@@ -77,7 +82,7 @@ vllm-pd-test:
 	timeout -k 60 900 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider \
 	    --basetemp=build/vllm-pd-tmp tests/vllm_pd
 
-test: tools lint typecheck unit sglang-test vllm-test mutation-vllm vllm-pd-test
+test: tools lint typecheck unit sglang-test mutation-sglang vllm-test mutation-vllm vllm-pd-test
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py

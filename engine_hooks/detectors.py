@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -43,6 +43,8 @@ class Verdict:
     pages: tuple[int, ...] = ()
     mode: Mode = Mode.LOG
     detail: dict[str, int | str] = field(default_factory=dict)
+    #: The request instance (one admission of ``request_id``), minted by the hooks; "" if none.
+    instance: str = ""
 
     @property
     def blocks(self) -> bool:
@@ -111,7 +113,8 @@ class Finding:
     """A check whose result may still live on the device: ``bad`` masks the failing pages.
 
     ``owners`` splits ``pages`` into consecutive runs that belong to one request each, so one
-    vectorised check can cover a whole decode batch.
+    vectorised check can cover a whole decode batch; ``instances`` (empty, or one per owner)
+    names each run's request instance.
     """
 
     detector: str
@@ -120,12 +123,20 @@ class Finding:
     pages: Ints
     bad: Mask
     mode: Mode
+    instances: tuple[str, ...] = ()
 
     @classmethod
     def single(
-        cls, detector: str, kind: str, request_id: str, pages: Ints, bad: Mask, mode: Mode
+        cls,
+        detector: str,
+        kind: str,
+        request_id: str,
+        pages: Ints,
+        bad: Mask,
+        mode: Mode,
+        instance: str = "",
     ) -> Finding:
-        return cls(detector, kind, [(request_id, len(pages))], pages, bad, mode)
+        return cls(detector, kind, [(request_id, len(pages))], pages, bad, mode, (instance,))
 
     def clean(self) -> bool:
         if isinstance(self.bad, torch.Tensor):
@@ -139,7 +150,7 @@ class Finding:
         pages = self.pages.tolist() if isinstance(self.pages, torch.Tensor) else self.pages
         bad = self.bad.tolist() if isinstance(self.bad, torch.Tensor) else self.bad
         verdicts, start = [], 0
-        for request_id, count in self.owners:
+        for i, (request_id, count) in enumerate(self.owners):
             failing = tuple(
                 p
                 for p, b in zip(
@@ -149,9 +160,9 @@ class Finding:
             )
             start += count
             if failing:
-                verdicts.append(
-                    Verdict(self.detector, request_id, False, self.kind, failing, self.mode)
-                )
+                instance = self.instances[i] if self.instances else ""
+                verdict = Verdict(self.detector, request_id, False, self.kind, failing, self.mode)
+                verdicts.append(replace(verdict, instance=instance) if instance else verdict)
         return verdicts
 
 
@@ -198,9 +209,15 @@ class PageTags(Detector):
         super().__init__(stats, mode)
         self.state = state
 
-    def compare(self, owners: list[tuple[str, int]], pages: Ints, expected: Ints) -> Finding:
+    def compare(
+        self,
+        owners: list[tuple[str, int]],
+        pages: Ints,
+        expected: Ints,
+        instances: tuple[str, ...] = (),
+    ) -> Finding:
         bad = self.state.stale(pages, expected)
-        return Finding(self.name, self.STALE_TAG, owners, pages, bad, self.mode)
+        return Finding(self.name, self.STALE_TAG, owners, pages, bad, self.mode, instances)
 
     def freed(self, pages: Ints, request_id: str = "") -> Finding:
         """Pages returning to the free list; one that is already free was freed twice."""
@@ -236,10 +253,14 @@ class Canary(Detector):
         mode = Mode.LOG if self.mode is Mode.ENFORCE else self.mode
         return Finding.single(self.name, self.WRITE_TO_FREE_PAGE, request_id, pages, bad, mode)
 
-    def check_reserved(self, request_id: str, pages: Ints, gens: Ints) -> Finding:
+    def check_reserved(
+        self, request_id: str, pages: Ints, gens: Ints, instance: str = ""
+    ) -> Finding:
         """Reserved pages at admit: an intact reserved stamp means nobody wrote the page."""
         bad = self.state.intact(pages, gens, canary.Purpose.RESERVED)
-        return Finding.single(self.name, self.UNWRITTEN_PAGE, request_id, pages, bad, self.mode)
+        return Finding.single(
+            self.name, self.UNWRITTEN_PAGE, request_id, pages, bad, self.mode, instance
+        )
 
 
 class TransferChecksum(Detector):

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
+import secrets
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -69,10 +71,22 @@ _HOOK_ERROR, _NO_POOL, _NO_SEAL, _UNSUPPORTED_LAYOUT = (
 #: The hooks of :class:`KVWatch`, each named where it is defined (``_hook``), and the flush.
 _FLUSH = HOOK.check("flush")
 HOOKS: set[str] = {_FLUSH}
-# Mismatches already reported, remembered so a request is reported once per detector and kind.
+# Mismatches already reported, remembered so a request instance is reported once per detector
+# and kind.
 _REMEMBERED_REPORTS = 4096
 # From this many pages on, a host-memory batch check is cheaper as tensor ops than in Python.
 _VECTOR_PAGES = 96
+
+
+# Request instances: a random per-process prefix and a counter (unique without coordination).
+_INSTANCE_PREFIX = secrets.token_hex(4)
+_INSTANCE_COUNTER = itertools.count(1)
+
+
+def new_instance() -> str:
+    """A fresh request instance id: one admission of a request. A request id is not an
+    identity (clients reuse them); events are keyed by the instance, the id stays a field."""
+    return f"{_INSTANCE_PREFIX}-{next(_INSTANCE_COUNTER):x}"
 
 
 @dataclass(slots=True)
@@ -82,6 +96,7 @@ class Ticket:
     request_id: str
     pages: Ints
     tags: Ints
+    instance: str = ""
     # The same as one [2, n] tensor (page ids; tags), reused by every decode step's batch
     # check: a view of a buffer with room to grow, which ``extend`` appends to in place on
     # the host (through a numpy view) and which is rebuilt when full or on a device.
@@ -105,6 +120,12 @@ class Ticket:
             self._host = buffer.numpy() if buffer.device.type == "cpu" else None
             self._stacked = buffer[:, :n]
         return self._stacked
+
+    def repoint(self, pages: Ints, tags: Ints) -> None:
+        """The request's row now names other pages (a radix-cache dedup re-pointed it): the
+        ticket follows, and its cached tensors are rebuilt at the next step."""
+        self.pages, self.tags = pages, tags
+        self._stacked = self._buffer = self._host = None
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         stacked = self.stacked(device)
@@ -283,15 +304,16 @@ class KVWatch:
         return self._settle(findings)
 
     @_hook("reserve", lambda: None)
-    def on_reserve(self, request_id: str, pages: PageIds) -> Ticket | None:
-        """Decode reserved destination pages for a request: stamp them, remember generations."""
+    def on_reserve(self, request_id: str, pages: PageIds, instance: str = "") -> Ticket | None:
+        """Decode reserved destination pages for a request: stamp them, remember generations.
+        The ticket carries ``instance``, or a fresh one (:func:`new_instance`)."""
         if self.state is None or self.canary is None:
             return None
         index = self.state.index(pages)
         tags = self.state.generations(index)
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, tags, Purpose.RESERVED)
-        return Ticket(request_id, index, tags)
+        return Ticket(request_id, index, tags, instance or new_instance())
 
     @_hook("reserve", lambda: None)
     def extend(self, ticket: Ticket, pages: PageIds) -> None:
@@ -324,16 +346,16 @@ class KVWatch:
             for name in (Canary.name, TransferChecksum.name, PageTags.name):
                 self.stats.skipped(name, _NO_POOL)
             return []
-        rid = ticket.request_id
+        rid, instance = ticket.request_id, ticket.instance
         findings: list[Finding] = []
         if not self.canary.usable:
             self.stats.skipped(self.canary.name, _UNSUPPORTED_LAYOUT)
         elif self.canary.active():
-            findings.append(self.canary.check_reserved(rid, ticket.pages, ticket.tags))
+            findings.append(self.canary.check_reserved(rid, ticket.pages, ticket.tags, instance))
             self.stats.verified(Canary.name)
         if self.tags.active():
             owners = [(rid, ticket.page_count)]
-            findings.append(self.tags.compare(owners, ticket.pages, ticket.tags))
+            findings.append(self.tags.compare(owners, ticket.pages, ticket.tags, (instance,)))
             self.stats.verified(PageTags.name)
         verdicts = [self._report(v) for f in findings for v in f.resolve()]
         if self.checksum.active():
@@ -343,7 +365,7 @@ class KVWatch:
                 verdict = self.checksum.verify(rid, ticket.pages, seal)
                 self.stats.verified(TransferChecksum.name)
                 if not verdict.ok:
-                    verdicts.append(self._report(verdict))
+                    verdicts.append(self._report(replace(verdict, instance=instance)))
         return verdicts
 
     @_hook("step", list)
@@ -359,6 +381,7 @@ class KVWatch:
             return []
         self.stats.verified(PageTags.name, len(tickets))
         owners = [(t.request_id, t.page_count) for t in tickets]
+        instances = tuple(t.instance for t in tickets)
         if self._on_device or sum(count for _, count in owners) >= _VECTOR_PAGES:
             assert self.pool is not None
             device = self.pool.device
@@ -368,18 +391,21 @@ class KVWatch:
         else:
             pages = self.state.concat([t.pages for t in tickets])
             expected = self.state.concat([t.tags for t in tickets])
-        return self._settle([self.tags.compare(owners, pages, expected)])
+        return self._settle([self.tags.compare(owners, pages, expected, instances)])
 
     @_hook("admission", lambda: Verdict(Admission.name, ""))
     def on_admission(
-        self, request_id: str, queue: str, *, aborted: bool, finished: bool
+        self, request_id: str, queue: str, *, aborted: bool, finished: bool, instance: str = ""
     ) -> Verdict:
-        """An admission queue is about to admit a request; ``aborted`` is ``to_finish`` set."""
+        """An admission queue is about to admit a request; ``aborted`` is ``to_finish`` set.
+        Each call is one admission: without ``instance`` it gets a fresh one."""
         if not self.admission.active():
             return self.admission.clean(request_id)
         self.stats.verified(Admission.name)
         verdict = self.admission.check(request_id, queue, aborted, finished)
-        return verdict if verdict.ok else self._report(verdict)
+        if verdict.ok:
+            return verdict
+        return self._report(replace(verdict, instance=instance or new_instance()))
 
     @_hook("resolve", list)
     def resolve(self) -> list[Verdict]:
@@ -397,30 +423,31 @@ class KVWatch:
         return [self._report(v) for f in findings for v in f.resolve()]
 
     def _report(self, verdict: Verdict) -> Verdict:
-        """Count a mismatch and write its event record, once per request, detector and kind:
-        a stale page found at admit is found again at every decode step of the same request."""
-        key = (verdict.request_id, verdict.detector, verdict.kind or "other")
-        if verdict.request_id and key in self._reported:
+        """Count a mismatch and write its event record, once per request instance, detector and
+        kind: a stale page found at admit is found again at every decode step of the same
+        request. The instance, not the request id: two requests may share an id."""
+        key = (verdict.instance, verdict.detector, verdict.kind or "other")
+        if verdict.instance and key in self._reported:
             return verdict
-        if verdict.request_id:
+        if verdict.instance:
             self._reported[key] = None
             if len(self._reported) > _REMEMBERED_REPORTS:
                 self._reported.popitem(last=False)
         self.stats.mismatch(verdict.detector, verdict.kind or "other")
         if self.spool is not None:
-            self.spool.write(
-                schema.EVENT,
-                {
-                    "detector": verdict.detector,
-                    "kind": verdict.kind or "other",
-                    "mode": str(verdict.mode),
-                    "action": "enforced" if verdict.blocks else "logged",
-                    "request_id": verdict.request_id[:128],
-                    "pages": list(verdict.pages[: schema.MAX_EVENT_PAGES]),
-                    "pages_total": len(verdict.pages),
-                    "detail": verdict.detail,
-                },
-            )
+            record: dict[str, Any] = {
+                "detector": verdict.detector,
+                "kind": verdict.kind or "other",
+                "mode": str(verdict.mode),
+                "action": "enforced" if verdict.blocks else "logged",
+                "request_id": verdict.request_id[:128],
+                "pages": list(verdict.pages[: schema.MAX_EVENT_PAGES]),
+                "pages_total": len(verdict.pages),
+                "detail": verdict.detail,
+            }
+            if verdict.instance:
+                record["instance"] = verdict.instance[:128]
+            self.spool.write(schema.EVENT, record)
         return verdict
 
     def counter_series(self) -> list[list[Any]]:

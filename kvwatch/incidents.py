@@ -9,7 +9,17 @@ from typing import Any, TextIO
 
 from kvwatch.journal import Journal
 
-_COLUMNS = ("TIME (UTC)", "NODE", "ROLE", "ENGINE", "REQUEST", "DETECTOR", "KIND", "PAGES")
+_COLUMNS = (
+    "TIME (UTC)",
+    "NODE",
+    "ROLE",
+    "ENGINE",
+    "REQUEST",
+    "INSTANCE",
+    "DETECTOR",
+    "KIND",
+    "PAGES",
+)
 _SHOWN_PAGES = 8
 
 
@@ -42,6 +52,7 @@ def render(rows: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> None:
                 row["role"] or "-",
                 row["engine"] or "-",
                 row["request_id"] or "-",
+                row["instance"] or "-",
                 row["detector"],
                 row["kind"],
                 _pages(row),

@@ -37,15 +37,15 @@ def make_watch(cfg: ServeConfig, role: str, pool: PagedKVPool, pool_tokens: int)
 
 
 class Seen:
-    """Which (request, detector, kind) mismatches were logged already: a request that fails a
-    per-step check in log mode fails it at every step, and one log line says it."""
+    """Which (request instance, detector, kind) mismatches were logged already: a request that
+    fails a per-step check in log mode fails it at every step, and one log line says it."""
 
     def __init__(self, limit: int = 10000) -> None:
         self.limit = limit
         self.keys: set[tuple[str, str, str]] = set()
 
     def first(self, v: Verdict) -> bool:
-        key = (v.request_id, v.detector, v.kind or "")
+        key = (v.instance or v.request_id, v.detector, v.kind or "")
         if key in self.keys:
             return False
         if len(self.keys) >= self.limit:

@@ -37,6 +37,13 @@ HOOKS: tuple[tuple[str, Callable[..., Any], str, str | None], ...] = (
     (C.SCHEDULER + ".process_batch_result", hooks_disagg.after_process_batch_result, "AFTER", "x"),
     (C.DECODE_QUEUE + "._pre_alloc", hooks_disagg.after_pre_alloc, "AFTER", "x"),
     (C.BATCH_MIXIN + ".process_prebuilt", hooks_disagg.before_process_prebuilt, "BEFORE", "x"),
+    (C.BATCH_MIXIN + ".process_prebuilt", hooks_disagg.after_process_prebuilt, "AFTER", "x"),
+    (
+        C.RESULTS + ".process_batch_result_prebuilt",
+        hooks_disagg.after_prebuilt_result,
+        "AFTER",
+        "x",
+    ),
     (
         C.DECODE_MIXIN + "._verify_kv_checksums",
         hooks_engine.around_verify_kv_checksums,

@@ -23,6 +23,7 @@ BATCH_MIXIN = (
 )
 SCHEDULER = S + "managers.scheduler.Scheduler"
 REQ = S + "managers.schedule_batch.Req"
+RESULTS = S + "managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 CANARY_REPORTER = S + "kv_canary.runner.violation_reporter"
 
 #: Points the plugin cannot work without. Classes and methods checked, some not hooked.
@@ -47,6 +48,7 @@ OPTIONAL = (
     SCHEDULER + ".process_batch_result",  # decode step check, deferred device results
     DECODE_QUEUE + "._pre_alloc",  # decode reserves a request's pages
     BATCH_MIXIN + ".process_prebuilt",  # decode admits: verify before the KV is read
+    RESULTS + ".process_batch_result_prebuilt",  # admission's results: finished requests
     DECODE_MIXIN + "._verify_kv_checksums",  # SGLang's own checksum (v0.5.21+)
     DECODE_MIXIN + "._handle_kv_checksum_mismatch",
     CANARY_REPORTER + "._format_violation",  # SGLang's own kv-canary (v0.5.22+)

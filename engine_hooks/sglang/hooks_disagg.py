@@ -7,12 +7,19 @@
   with reserved canaries and keep a ticket (page ids and generations).
 - ``process_prebuilt`` (BEFORE): decode admits: every reserved page must have been written and
   still carry the request's generation. Enforce mode fails the request (HTTP 500).
+  (AFTER): the ticket follows the request's row. With the decode radix cache, the tree insert
+  inside ``process_prebuilt`` frees a request's pages that duplicate cached ones and points its
+  row at the cached pages; the ticket must name what the row reads, not the freed pages.
+- ``process_batch_result_prebuilt`` (AFTER): a request finished at admission lets go of its
+  ticket.
 - ``Scheduler.process_batch_result`` (AFTER): per decode step, the running requests' pages
   still carry their generations; deferred device results are read here, where SGLang has
   already synchronised on the step's output.
 
 Page tags are not carried over the transfer (SGLang's metadata has no field for them), so on
 decode the tag check is generation-only: it catches a page reallocated under a live request.
+
+Tickets and events are keyed by the request's instance (one ``Req`` object), not its id.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
+import torch
+
 from engine_hooks.detectors import Mode, Verdict
 from engine_hooks.sglang.guard import failed, safe
 from engine_hooks.sglang.report import log_verdicts
-from engine_hooks.sglang.runtime import runtime
+from engine_hooks.sglang.runtime import Held, runtime
 from engine_hooks.watch import KVWatch, Ticket
 
 logger = logging.getLogger("kvwatch.sglang")
@@ -68,13 +77,18 @@ def _admission(
 ) -> Any:
     watch: KVWatch | None = None
     aborted = finished = False
+    instance = ""
     try:
         if not reentry:
-            watch = runtime().engine_watch()
+            rt = runtime()
+            watch = rt.engine_watch()
+            instance = rt.instance_of(req)
             aborted, finished = _abort_state(req)
             enforce = watch.admission.mode is Mode.ENFORCE
             if aborted and not finished and enforce and not _fixed_release(queue):
-                verdict = watch.on_admission(str(req.rid), queue_name, aborted=True, finished=False)
+                verdict = watch.on_admission(
+                    str(req.rid), queue_name, aborted=True, finished=False, instance=instance
+                )
                 log_verdicts([verdict])
                 watch = None  # recorded once, here, whether or not the retire below works
                 if _retire(queue, req):
@@ -87,7 +101,11 @@ def _admission(
     try:
         admitted = not req.finished()
         verdict = watch.on_admission(
-            str(req.rid), queue_name, aborted=aborted, finished=finished or not admitted
+            str(req.rid),
+            queue_name,
+            aborted=aborted,
+            finished=finished or not admitted,
+            instance=instance,
         )
         log_verdicts([verdict])
     except Exception as error:
@@ -158,13 +176,13 @@ def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any
         watch.stats.skipped("canary", "unsupported_layout")
         return
     pages = result[::page_size] // page_size
-    ticket = watch.on_reserve(str(req.rid), pages)
+    ticket = watch.on_reserve(str(req.rid), pages, rt.instance_of(req))
     if ticket is None:
         return
     # Tags do not travel with SGLang's transfer: the reservation stands for the writer.
     if watch.state is not None:
         watch.state.own_writes(ticket.pages)
-    rt.keep_ticket(watch, ticket)
+    rt.keep_ticket(watch, ticket, int(prefix))
 
 
 def _verify_deferred(watch: KVWatch, ticket: Ticket) -> None:
@@ -177,11 +195,15 @@ def _verify_deferred(watch: KVWatch, ticket: Ticket) -> None:
     if not watch.canary.usable:
         watch.stats.skipped("canary", "unsupported_layout")
     elif watch.canary.active():
-        findings.append(watch.canary.check_reserved(ticket.request_id, ticket.pages, ticket.tags))
+        findings.append(
+            watch.canary.check_reserved(
+                ticket.request_id, ticket.pages, ticket.tags, ticket.instance
+            )
+        )
         watch.stats.verified("canary")
     if watch.tags.active():
         owners = [(ticket.request_id, ticket.page_count)]
-        findings.append(watch.tags.compare(owners, ticket.pages, ticket.tags))
+        findings.append(watch.tags.compare(owners, ticket.pages, ticket.tags, (ticket.instance,)))
         watch.stats.verified("page_tag")
     watch.stats.skipped("checksum", "no_seal")
     watch._pending.extend(findings)
@@ -202,10 +224,10 @@ def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
     """Decode admits the transferred requests: verify their pages before anything reads them."""
     rt = runtime()
     for req in list(batch.reqs):
-        held = rt.ticket(str(req.rid))
+        held = rt.ticket(req)
         if held is None:
             continue
-        watch, ticket = held
+        watch, ticket = held.watch, held.ticket
         pool = watch.pool
         on_device = pool is not None and not pool.is_cpu
         if on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):
@@ -216,22 +238,86 @@ def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
         _enforce(req, verdicts)
 
 
+def _follow_row(held: Held, row: Any) -> None:
+    """Point the ticket at the pages the request's row reads now. A page the engine re-pointed
+    (the tree's copy of the same tokens) joins with its current generation, which its owner,
+    the tree, vouches for; a page left in place keeps the generation it was reserved with."""
+    watch, ticket = held.watch, held.ticket
+    state, pool = watch.state, watch.pool
+    if state is None or pool is None or not ticket.page_count:
+        return
+    page_size = pool.page_size
+    tokens = row[held.start : held.start + ticket.page_count * page_size : page_size]
+    if tokens.numel() != ticket.page_count:
+        return
+    pages = state.index(tokens // page_size)
+    fresh = state.generations(pages)
+    if isinstance(pages, torch.Tensor):  # on the device: no sync, one select per step
+        assert isinstance(fresh, torch.Tensor)
+        same = pages == torch.as_tensor(ticket.pages, device=pages.device)
+        tags: Any = torch.where(same, torch.as_tensor(ticket.tags, device=pages.device), fresh)
+        written = pool.tag_store  # a moved page is written for its current generation
+        written[pages] = torch.where(same, written.index_select(0, pages), fresh)
+    else:
+        assert isinstance(fresh, list) and isinstance(ticket.pages, list)
+        assert isinstance(ticket.tags, list)
+        if pages == ticket.pages:
+            return
+        moved = [p for p, q in zip(pages, ticket.pages, strict=True) if p != q]
+        tags = [
+            t if p == q else f
+            for p, q, t, f in zip(pages, ticket.pages, ticket.tags, fresh, strict=True)
+        ]
+        state.own_writes(moved)
+    ticket.repoint(pages, tags)
+
+
+@safe("verify")
+def after_process_prebuilt(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """After admission: each ticket follows its request's row (see the module docstring)."""
+    rt = runtime()
+    if not rt.tickets:
+        return
+    rows = batch.req_to_token_pool.req_to_token
+    for req in list(batch.reqs):
+        held = rt.ticket(req)
+        index = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+        if held is not None and index is not None:
+            _follow_row(held, rows[index])
+
+
 def check_steps(reqs: list[Any]) -> None:
     """Per decode step: the running requests' pages still carry their generations (one
     vectorised compare per pool; on a device, read at the next ``resolve()``)."""
     rt = runtime()
     batches: dict[int, tuple[KVWatch, list[Ticket]]] = {}
+    by_instance: dict[str, Any] = {}
     for req in reqs:
-        rid = str(req.rid)
         if req.finished():
-            rt.drop_ticket(rid)
+            rt.drop_ticket(req)
             continue
-        held = rt.ticket(rid)
+        held = rt.ticket(req)
         if held is not None:
-            watch, ticket = held
-            batches.setdefault(id(watch), (watch, []))[1].append(ticket)
+            batches.setdefault(id(held.watch), (held.watch, []))[1].append(held.ticket)
+            by_instance[held.ticket.instance] = req
     for watch, tickets in batches.values():
-        log_verdicts(watch.check_batch(tickets))
+        verdicts = watch.check_batch(tickets)
+        log_verdicts(verdicts)
+        for verdict in verdicts:  # enforce: SGLang finishes it at its next result (HTTP 500)
+            req = by_instance.get(verdict.instance)
+            if req is not None:
+                _enforce(req, [verdict])
+
+
+@safe("step")
+def after_prebuilt_result(result: Any, processor: Any, batch: Any, *a: Any, **k: Any) -> None:
+    """Admission's results: a request finished there (one output token, failed in enforce
+    mode) never reaches a decode step; its ticket goes with it."""
+    rt = runtime()
+    if rt.tickets:
+        for req in batch.reqs:
+            if req.finished():
+                rt.drop_ticket(req)
 
 
 @safe("step")

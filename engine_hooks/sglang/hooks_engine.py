@@ -124,7 +124,9 @@ def before_kv_checksum_mismatch(scheduler: Any, req: Any, msg: Any = "", *a: Any
     watch = runtime().engine_watch()
     watch.stats.mismatch("engine_checksum", "digest")
     # SGLang aborts the request itself (HTTP 500): the mismatch was enforced.
-    _event(watch, "engine_checksum", "digest", str(req.rid), {"source": "sglang"}, "enforced")
+    instance = runtime().instance_of(req)
+    detail: dict[str, int | str] = {"source": "sglang"}
+    _event(watch, "engine_checksum", "digest", str(req.rid), detail, "enforced", instance)
 
 
 # -- SGLang's own kv-canary ---------------------------------------------------------------------
@@ -155,20 +157,26 @@ def after_format_violation(result: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _event(
-    watch: Any, detector: str, kind: str, rid: str, detail: dict[str, int | str], action: str
+    watch: Any,
+    detector: str,
+    kind: str,
+    rid: str,
+    detail: dict[str, int | str],
+    action: str,
+    instance: str = "",
 ) -> None:
     if watch.spool is None:
         return
-    watch.spool.write(
-        schema.EVENT,
-        {
-            "detector": detector,
-            "kind": kind,
-            "mode": "log",
-            "action": action,
-            "request_id": rid[:128],
-            "pages": [],
-            "pages_total": 0,
-            "detail": detail,
-        },
-    )
+    record: dict[str, Any] = {
+        "detector": detector,
+        "kind": kind,
+        "mode": "log",
+        "action": action,
+        "request_id": rid[:128],
+        "pages": [],
+        "pages_total": 0,
+        "detail": detail,
+    }
+    if instance:
+        record["instance"] = instance
+    watch.spool.write(schema.EVENT, record)

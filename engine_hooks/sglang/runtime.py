@@ -20,13 +20,23 @@ import torch
 from engine_hooks.pool import Layout, PagedKVPool
 from engine_hooks.sglang.config import Settings, from_env
 from engine_hooks.spool import SpoolWriter
-from engine_hooks.watch import KVWatch, Ticket
+from engine_hooks.watch import KVWatch, Ticket, new_instance
 
 logger = logging.getLogger("kvwatch.sglang")
 
 #: Decode tickets kept per process at most (oldest dropped first): a request whose end we miss
 #: must not grow memory without bound.
 MAX_TICKETS = 65536
+
+
+@dataclass(slots=True)
+class Held:
+    """A decode ticket and where its pages sit in the request's row of ``req_to_token``: the
+    ticket's page ``i`` is the page of token ``start + i * page_size``."""
+
+    watch: KVWatch
+    ticket: Ticket
+    start: int
 
 
 @dataclass(slots=True)
@@ -48,7 +58,9 @@ class Runtime:
         self.context = Context(role=settings.role or "unified", version=version)
         self.watches: weakref.WeakKeyDictionary[Any, KVWatch] = weakref.WeakKeyDictionary()
         self.all_watches: list[KVWatch] = []
-        self.tickets: OrderedDict[str, tuple[KVWatch, Ticket]] = OrderedDict()
+        #: Decode tickets by request instance (a request id is not an identity).
+        self.tickets: OrderedDict[str, Held] = OrderedDict()
+        self._instances: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.hook_errors = 0
         self._lock = threading.Lock()
 
@@ -90,21 +102,32 @@ class Runtime:
             return self.all_watches[0]
         return self.new_watch(None)  # joins all_watches: later calls reuse it
 
-    # -- decode tickets ------------------------------------------------------------------------
+    # -- request instances and decode tickets --------------------------------------------------
 
-    def keep_ticket(self, watch: KVWatch, ticket: Ticket) -> None:
+    def instance_of(self, req: Any) -> str:
+        """The instance id of SGLang's ``Req`` object, minted when the hooks first see it (at a
+        door or at decode's reserve); a retracted request that comes back keeps it."""
+        instance = self._instances.get(req)
+        if instance is None:
+            instance = self._instances[req] = new_instance()
+        return instance
+
+    def keep_ticket(self, watch: KVWatch, ticket: Ticket, start: int = 0) -> None:
         with self._lock:
-            self.tickets[ticket.request_id] = (watch, ticket)
-            self.tickets.move_to_end(ticket.request_id)
+            self.tickets[ticket.instance] = Held(watch, ticket, start)
+            self.tickets.move_to_end(ticket.instance)
             while len(self.tickets) > MAX_TICKETS:
                 self.tickets.popitem(last=False)
 
-    def ticket(self, request_id: str) -> tuple[KVWatch, Ticket] | None:
-        return self.tickets.get(request_id)
+    def ticket(self, req: Any) -> Held | None:
+        instance = self._instances.get(req)
+        return None if instance is None else self.tickets.get(instance)
 
-    def drop_ticket(self, request_id: str) -> None:
-        with self._lock:
-            self.tickets.pop(request_id, None)
+    def drop_ticket(self, req: Any) -> None:
+        instance = self._instances.get(req)
+        if instance is not None:
+            with self._lock:
+                self.tickets.pop(instance, None)
 
     def close(self) -> None:
         for watch in list(self.all_watches):

@@ -116,3 +116,36 @@ def test_hook_and_detector_names_are_the_catalogues() -> None:
         watch._hook("alocate", list)
     with pytest.raises(ValueError, match="not a catalogued detector"):
         catalogue.DETECTOR.check(catalogue.OTHER)
+
+
+def test_a_reused_request_id_is_two_requests(tmp_path: Path) -> None:
+    """Clients reuse request ids: two requests with one id, each reading three unwritten pages,
+    are two instances, two events and two mismatches (the id alone would hide the second)."""
+    pair = Pair.build("mha", torch.bfloat16, spool=tmp_path)
+    tickets = []
+    for _ in range(2):
+        dst, ticket = pair.reserve("same-rid", 4)
+        pair.prefill_write("same-rid", dst, ticket, written=1)
+        assert (
+            len([v for v in pair.decode.verify_admit(ticket, None) if v.kind == "unwritten_page"])
+            == 1
+        )
+        tickets.append(ticket)
+    assert tickets[0].instance and tickets[0].instance != tickets[1].instance
+    pair.decode.close()
+    pair.prefill.close()
+    contents = read_spool(tmp_path)
+    events = contents.events(request_id="same-rid", detector="canary")
+    assert sorted(e["instance"] for e in events) == sorted(t.instance for t in tickets)
+    assert all(e["pages_total"] == 3 for e in events)
+    mismatches = contents.latest_counters()["mismatches"]
+    assert mismatches[(("detector", "canary"), ("kind", "unwritten_page"))] == 2
+
+
+def test_a_reused_request_id_at_the_door_is_two_admissions(tmp_path: Path) -> None:
+    watch = KVWatch(None, role="prefill", engine="sglang", spool=tmp_path)
+    for _ in range(2):
+        watch.on_admission("same-rid", "prefill_bootstrap", aborted=True, finished=False)
+    watch.close()
+    events = read_spool(tmp_path).events(detector="admission")
+    assert len(events) == 2 and len({e["instance"] for e in events}) == 2

@@ -15,6 +15,12 @@ def base(**fields: Any) -> dict[str, Any]:
     return {"v": 1, "producer": "p", "seq": 1, "ts": 1.0} | fields
 
 
+def event(**fields: Any) -> dict[str, Any]:
+    """A valid event record, with ``fields`` changed."""
+    defaults = dict(detector="c", kind="k", mode="log", action="logged", request_id="r")
+    return base(type="event", **defaults, pages=[], pages_total=0) | fields
+
+
 GOOD = [
     base(
         type="hello",
@@ -40,6 +46,17 @@ GOOD = [
         detail={"x": 1, "y": "z"},
         instance="r-1",
     ),
+    base(
+        type="event",
+        detector="page_tag",
+        kind="stale_tag",
+        mode="log",
+        action="logged",
+        request_id="r",
+        pages=[1],
+        pages_total=1,
+        instance="9f3c01aa-2",
+    ),
     base(type="seal", next_segment="p.000001.kvs"),
 ]
 
@@ -64,21 +81,8 @@ def test_valid_records_round_trip(record: dict[str, Any]) -> None:
             ),
             "malformed",
         ),
-        (
-            encode_payload(
-                base(
-                    type="event",
-                    detector="c",
-                    kind="k",
-                    mode="log",
-                    action="logged",
-                    request_id="r",
-                    pages=list(range(MAX_EVENT_PAGES + 1)),
-                    pages_total=1,
-                )
-            ),
-            "malformed",
-        ),
+        (encode_payload(event(pages=list(range(MAX_EVENT_PAGES + 1)))), "malformed"),
+        (encode_payload(event(instance=7)), "malformed"),
         (encode_payload(base(type="seal", next_segment="x", seq=0)), "malformed"),
         (encode_payload(base(type="seal", next_segment="x", seq=True)), "malformed"),
     ],

@@ -69,21 +69,22 @@ class Producer:
         detector: str = "canary",
         kind: str = "unwritten_page",
         pages: list[int] | None = None,
+        instance: str | None = None,
     ) -> bytes:
         pages = [1, 2, 3, 4, 5, 6, 7] if pages is None else pages
-        return self.frame(
-            "event",
-            {
-                "detector": detector,
-                "kind": kind,
-                "mode": "log",
-                "action": "logged",
-                "request_id": request_id,
-                "pages": pages,
-                "pages_total": len(pages),
-                "detail": {"unwritten": len(pages)},
-            },
-        )
+        fields = {
+            "detector": detector,
+            "kind": kind,
+            "mode": "log",
+            "action": "logged",
+            "request_id": request_id,
+            "pages": pages,
+            "pages_total": len(pages),
+            "detail": {"unwritten": len(pages)},
+        }
+        if instance is not None:
+            fields["instance"] = instance
+        return self.frame("event", fields)
 
     def counters(self, verifications: int, *, mismatches: int = 0) -> bytes:
         series: list[list[Any]] = [

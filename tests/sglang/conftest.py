@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,13 +38,21 @@ def sglang_plugins(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     warnings.filterwarnings("ignore", category=UserWarning)
     from sglang.srt.runtime_context import get_parallel
 
-    # This process is rank 0 of a one-rank group (what SGLang's launcher would publish).
+    # This process is rank 0 of one-rank groups (what SGLang's launcher would publish); the
+    # decode prealloc queue reads the attention group (no collective runs on one rank).
     parallel = get_parallel()
+    rank = dict(
+        tp_rank=0,
+        attn_tp_rank=0,
+        pp_rank=0,
+        pp_size=1,
+        attn_tp_group=types.SimpleNamespace(cpu_group=None),
+    )
     with contextlib.ExitStack() as stack:
         if hasattr(type(parallel), "override_permanently"):
-            parallel.override_permanently(tp_rank=0)
+            parallel.override_permanently(**rank)
         else:  # v0.5.19: only the scoped override
-            stack.enter_context(parallel.override(tp_rank=0))
+            stack.enter_context(parallel.override(**rank))
         from sglang.srt import plugins
 
         plugins.load_plugins()

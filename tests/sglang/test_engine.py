@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import torch
 
 from engine_hooks.sglang import compat, hooks_engine
 from tests.sglang import sgl
+from tests.sglang.bed import Bed
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -39,8 +41,22 @@ def test_pool_versus_context_and_engine_identity(kv: Any) -> None:
     }
     server_args = ServerArgs(**{k: v for k, v in wanted.items() if k in known})
     checksum_flag = "disaggregation_enable_kv_checksum" in known
-    # Scheduler.__init__(server_args, port_args): the BEFORE hook runs ahead of the pool build.
-    hooks_engine.before_scheduler_init(object(), server_args, None)
+    # SGLang's Scheduler.__init__(server_args, port_args), stopped at its first step (the rest
+    # loads a model): the BEFORE hook has run by then, ahead of the pool build.
+    from sglang.srt.managers.scheduler import Scheduler
+
+    class StopInitError(Exception):
+        pass
+
+    def stop(self: Any) -> None:
+        raise StopInitError
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "init_startup_timing_begin", stop, raising=False)
+        # (server_args, port_args); v0.5.19 also takes the ranks, all 0 on one rank.
+        ranks = [0] * (len(inspect.signature(Scheduler.__init__).parameters) - 3)
+        with pytest.raises(StopInitError):
+            Scheduler(server_args, None, *ranks)
     sgl.allocator(sgl.mha_pool())  # the pool is built after the role is known
     hooks_engine.report_pool(681_280, 1_048_576, sgl.PAGE_SIZE)
     contents = sgl.spool(kv)
@@ -59,10 +75,9 @@ def test_pool_versus_context_and_engine_identity(kv: Any) -> None:
 
 
 def test_sglang_kv_canary_violation_becomes_an_event_without_token_ids(kv: Any) -> None:
-    import engine_hooks.sglang as plugin
-
-    target = compat.CANARY_REPORTER + "._format_violation"
-    if target not in plugin.attached:
+    # Whether the release has the point, not whether a hook got attached: a missing hook
+    # must fail this test, not skip it.
+    if not compat.exists(compat.CANARY_REPORTER + "._format_violation"):
         pytest.skip("this release has no kv-canary")
     from sglang.kernels.ops.kv_canary.consts import FailReason, RealKvHashMode
     from sglang.kernels.ops.kv_canary.verify import CanaryLaunchTag
@@ -103,10 +118,7 @@ def test_sglang_kv_canary_violation_becomes_an_event_without_token_ids(kv: Any) 
 
 
 def test_sglang_kv_checksum_coverage_and_mismatch(kv: Any) -> None:
-    import engine_hooks.sglang as plugin
-
-    target = compat.DECODE_MIXIN + "._verify_kv_checksums"
-    if target not in plugin.attached:
+    if not compat.exists(compat.DECODE_MIXIN + "._verify_kv_checksums"):
         pytest.skip("this release has no --disaggregation-enable-kv-checksum")
     from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin as Mixin
 
@@ -114,7 +126,18 @@ def test_sglang_kv_checksum_coverage_and_mismatch(kv: Any) -> None:
     # Checksum off on this node (kv_checksum_computer is None): both requests skip it.
     off = types.SimpleNamespace(kv_checksum_computer=None)
     Mixin._verify_kv_checksums(off, sgl.batch(reqs))
-    hooks_engine.before_kv_checksum_mismatch(off, reqs[1], "KV checksum mismatch")
+    # A mismatch (the digest compare itself needs CUDA): SGLang's own handler, on a decode
+    # scheduler holding the request, aborts it and releases its KV. SGLang raises instead in CI
+    # unless the mismatch was injected, as its own injection knob says this one is.
+    with Bed(page_size=16, radix=False) as bed, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB", "0.5")
+        req = bed.request("b", list(range(1, 33)))
+        assert bed.arrive(req)
+        bed.reserve(req)
+        bed.transfer(req)
+        free = bed.allocator.available_size()
+        Mixin._handle_kv_checksum_mismatch(bed.scheduler, req, "KV checksum mismatch")
+        assert req.finished() and bed.allocator.available_size() > free
     contents = sgl.spool(kv)
     skipped = sgl.counter(
         contents, "verifications_skipped", detector="engine_checksum", reason="mode_off"
@@ -122,6 +145,7 @@ def test_sglang_kv_checksum_coverage_and_mismatch(kv: Any) -> None:
     assert skipped == 2
     events = contents.events(detector="engine_checksum", kind="digest")
     assert [(e["request_id"], e["action"]) for e in events] == [("b", "enforced")]
+    assert events[0]["instance"] == kv.instance_of(req)
 
 
 def _start_daemon(tmp: Path, spool: str) -> tuple[subprocess.Popen[bytes], Path, int]:

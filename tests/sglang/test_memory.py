@@ -131,3 +131,16 @@ def test_hooks_never_raise_into_the_engine(kv: Any, pool: Any) -> None:
     assert kv.hook_errors == errors + 1
     # The allocator still works through its hooks.
     assert alloc.alloc(4) is not None
+
+
+def test_a_cache_flush_stamps_every_page_free(kv: Any, pool: Any) -> None:
+    """``clear()`` (SGLang's flush_cache) puts every page back at once, without a release: a late
+    write into a page that was in use before the flush is still caught at its next allocation."""
+    alloc = sgl.allocator(pool)
+    pages = sgl.pages_of(alloc.alloc(8))
+    alloc.clear()
+    sgl.write_page(pool, pages[0])
+    taken = sgl.pages_of(alloc.alloc(8))
+    assert taken == pages
+    events = sgl.spool(kv).events(detector="canary", kind="write_to_free_page")
+    assert [e["pages"] for e in events] == [[pages[0]]]

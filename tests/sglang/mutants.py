@@ -1,0 +1,176 @@
+"""The SGLang half of the hook-mutation check (driver: ``tests/mutation.py``).
+
+One mutant per entry of the plugin's ``HOOKS``: the plugin registers every hook but that one
+(``load_plugins()`` then patches SGLang without it), and the tests that exercise it run. Every
+mutant must fail at least one of them. Run in build/sglang-venv (``make mutation-sglang``)::
+
+    KVWATCH_SGLANG_STAGE=1 build/sglang-venv/bin/python -m tests.mutation tests.sglang.mutants
+
+It also speaks the (name, command) interface of a driver that runs each mutant in its own
+interpreter: :func:`mutants` lists the commands, and ``mutants.py NAME -- PYTEST-ARGS`` removes
+hook NAME and runs the tests.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository first, not tests/sglang
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+
+class Mutant:
+    """What ``tests/mutation.py``'s in-process driver reads (name, apply, tests, exempt); kept
+    here so this file also serves a driver with another mutant type. (A plain class: a driver
+    may load this file without registering it as a module, which dataclasses need.)"""
+
+    def __init__(
+        self, name: str, apply: Callable[[], None], tests: tuple[str, ...], exempt: str = ""
+    ) -> None:
+        self.name, self.apply, self.tests, self.exempt = name, apply, tests, exempt
+
+
+D = "tests/sglang/test_decode.py::"
+M = "tests/sglang/test_memory.py::"
+A = "tests/sglang/test_admission.py::"
+E = "tests/sglang/test_engine.py::"
+
+#: The tests that must notice each hook, by (method, hook function): the first listed is the
+#: one expected to fail, so a killed mutant stops there (-x).
+TESTS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("__init__", "after_init"): (M + "test_allocator_gets_a_watch_over_the_pool",),
+    ("clear", "after_clear"): (M + "test_a_cache_flush_stamps_every_page_free",),
+    ("alloc", "around_alloc"): (
+        M + "test_write_into_a_released_page_is_caught_at_the_next_allocation",
+    ),
+    ("alloc_extend", "around_alloc"): (
+        D + "test_a_late_write_is_caught_when_decode_reserves_the_page",
+    ),
+    ("alloc_decode", "around_alloc"): (
+        D + "test_a_late_write_is_caught_when_a_decode_step_takes_the_page",
+    ),
+    ("_release_page_ids", "before_release"): (M + "test_double_free_is_caught",),
+    ("add", "around_prefill_add"): (A + "test_a_clean_request_passes_both_doors",),
+    ("add", "around_decode_add"): (A + "test_a_clean_request_passes_both_doors",),
+    ("__init__", "before_scheduler_init"): (E + "test_pool_versus_context_and_engine_identity",),
+    ("__init__", "after_scheduler_init"): (),
+    ("process_batch_result", "after_process_batch_result"): (
+        D + "test_a_page_reused_while_the_request_still_references_it",
+    ),
+    ("_pre_alloc", "after_pre_alloc"): (D + "test_the_incident_eight_reserved_one_written",),
+    ("process_prebuilt", "before_process_prebuilt"): (
+        D + "test_the_incident_eight_reserved_one_written",
+    ),
+    ("process_prebuilt", "after_process_prebuilt"): (
+        D + "test_decode_radix_cache_dedup_is_not_a_stale_page",
+    ),
+    ("process_batch_result_prebuilt", "after_prebuilt_result"): (
+        D + "test_a_request_finished_at_admission_drops_its_ticket",
+    ),
+    ("_verify_kv_checksums", "around_verify_kv_checksums"): (
+        E + "test_sglang_kv_checksum_coverage_and_mismatch",
+    ),
+    ("_handle_kv_checksum_mismatch", "before_kv_checksum_mismatch"): (
+        E + "test_sglang_kv_checksum_coverage_and_mismatch",
+    ),
+    ("_format_violation", "after_format_violation"): (
+        E + "test_sglang_kv_canary_violation_becomes_an_event_without_token_ids",
+    ),
+}
+
+#: Hooks no test here can reach through SGLang's own code, and why.
+EXEMPT: dict[tuple[str, str], str] = {
+    ("__init__", "after_scheduler_init"): (
+        "Scheduler.__init__ only returns after loading a model (no model on this CPU stage)"
+    ),
+}
+
+#: The baseline: every targeted test passes with every hook in place.
+BASELINE: tuple[str, ...] = tuple(sorted({t for tests in TESTS.values() for t in tests}))
+
+
+def _without(index: int) -> None:
+    import engine_hooks.sglang as plugin
+
+    plugin.HOOKS = plugin.HOOKS[:index] + plugin.HOOKS[index + 1 :]
+
+
+def _mutants() -> list[Mutant]:
+    import functools
+
+    import engine_hooks.sglang as plugin
+    from engine_hooks.sglang import compat
+
+    mutants = []
+    for index, (target, hook, kind, _) in enumerate(plugin.HOOKS):
+        method = target.rsplit(".", 1)[1]
+        tests = TESTS.get((method, hook.__name__))
+        if tests is None:  # a new hook with no test named here fails the check loudly
+            tests = ("tests/sglang/no-test-named-for-this-hook",)
+        name = f"{compat.short(target)} {kind} {hook.__name__}"
+        exempt = EXEMPT.get((method, hook.__name__), "")
+        mutants.append(Mutant(name, functools.partial(_without, index), tests, exempt))
+    return mutants
+
+
+MUTANTS = _mutants()
+
+
+def prepare() -> None:
+    """Import what every mutant's tests import (SGLang, torch, pytest's plugins) once, in the
+    parent, so each forked child starts warm. No hook is registered here."""
+    import importlib
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for name in (
+        "torch",
+        "sglang.srt.plugins",
+        "sglang.srt.plugins.hook_registry",
+        "sglang.srt.managers.scheduler",
+        "sglang.srt.disaggregation.decode",
+        "sglang.srt.disaggregation.prefill",
+        "sglang.srt.mem_cache.allocator.paged",
+        "sglang.srt.mem_cache.registry",
+    ):
+        importlib.import_module(name)
+
+
+__all__ = ["BASELINE", "MUTANTS", "prepare"]
+
+
+# -- the (name, command) interface -------------------------------------------------------------
+
+NONE_REMOVED = "(none removed)"
+PYTEST = ["-x", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+
+
+def mutants() -> list[tuple[str, list[str]]]:
+    """(name, command) per mutant, the baseline (nothing removed) first. An exempt hook is not
+    listed as a mutant; it is named here, with its reason."""
+    script = [sys.executable, str(Path(__file__).resolve())]
+    pairs = [(NONE_REMOVED, [*script, NONE_REMOVED, "--", *BASELINE, *PYTEST])]
+    for m in MUTANTS:
+        if m.exempt:
+            print(f"mutation: exempt: {m.name} ({m.exempt})")
+            continue
+        pairs.append((m.name, [*script, m.name, "--", *m.tests, *PYTEST]))
+    return pairs
+
+
+def _main(argv: list[str]) -> int:
+    import os
+
+    import pytest
+
+    name, tests = argv[0], argv[argv.index("--") + 1 :]
+    os.environ.setdefault("KVWATCH_SGLANG_STAGE", "1")
+    if name != NONE_REMOVED:
+        next(m for m in MUTANTS if m.name == name).apply()
+    return int(pytest.main(tests))
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
