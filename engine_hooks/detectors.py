@@ -10,6 +10,7 @@ the engine already synchronises; on CPU that is at once.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -18,6 +19,9 @@ import torch
 from engine_hooks import canary
 from engine_hooks.pagestate import Ints, Mask, PageState
 from engine_hooks.pool import PagedKVPool, PageIds
+
+#: (request id, page count) per consecutive run of a check's pages, or a callable giving them.
+Owners = list[tuple[str, int]] | Callable[[], list[tuple[str, int]]]
 
 
 class Mode(StrEnum):
@@ -86,12 +90,13 @@ class Finding:
     """A check whose result may still live on the device: ``bad`` masks the failing pages.
 
     ``owners`` splits ``pages`` into consecutive runs that belong to one request each, so one
-    vectorised check can cover a whole decode batch.
+    vectorised check can cover a whole decode batch; a callable gives them when a page fails
+    (for a check resolved at once, so a clean one does not build them).
     """
 
     detector: str
     kind: str
-    owners: list[tuple[str, int]]
+    owners: Owners
     pages: Ints
     bad: Mask
     mode: Mode
@@ -113,8 +118,9 @@ class Finding:
             return []
         pages = self.pages.tolist() if isinstance(self.pages, torch.Tensor) else self.pages
         bad = self.bad.tolist() if isinstance(self.bad, torch.Tensor) else self.bad
+        owners = self.owners() if callable(self.owners) else self.owners
         verdicts, start = [], 0
-        for request_id, count in self.owners:
+        for request_id, count in owners:
             failing = tuple(
                 p
                 for p, b in zip(
@@ -171,7 +177,7 @@ class PageTags(Detector):
         super().__init__(stats, mode)
         self.state = state
 
-    def compare(self, owners: list[tuple[str, int]], pages: Ints, expected: Ints) -> Finding:
+    def compare(self, owners: Owners, pages: Ints, expected: Ints) -> Finding:
         bad = self.state.stale(pages, expected)
         return Finding(self.name, "stale_tag", owners, pages, bad, self.mode)
 
