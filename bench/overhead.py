@@ -21,6 +21,7 @@ end-to-end throughput; page tags plus canaries at most 1% of decode step time.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import tempfile
@@ -235,6 +236,9 @@ def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int, ro
                 tickets.append(ticket)
             hooks = mode != "none"
             lengths = [context + r % page_size for r in range(batch)]  # boundaries spread out
+            # The setup's allocations owe the interpreter a full collection (~0.2 s once torch
+            # is loaded): taken here, or it lands in whichever round is timed next.
+            gc.collect()
             started = time.thread_time()
             for _ in range(steps):
                 if hooks:
