@@ -296,7 +296,9 @@ def main() -> int:
     items = workload(args.seed, args.requests, args.min_words, args.max_words)
     runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
     for round_no in range(args.rounds):
-        for mode in MODES:
+        # The order turns each round, so no mode always runs first (after a cold start) or
+        # next to the same neighbour.
+        for mode in MODES[round_no % len(MODES) :] + MODES[: round_no % len(MODES)]:
             run = run_once(mode, args, items)
             runs[mode].append(run)
             print(
@@ -341,6 +343,18 @@ def main() -> int:
         f"{median(m, 'host_us_per_running_request'):10.2f}{'':12}" for m in MODES[1:]
     )
     print(f"{'per-step hooks, host us per running request':<44}{per_request}")
+    # Ratios paired within a round (the same minutes of a shared machine), then the median.
+    print(f"\nper-round ratio to off, median (range) of {args.rounds} rounds")
+    for label, attr in (("generated tokens/s (wall)", "tokens_per_s"),
+                        ("CPU us per generated token", "cpu_us_per_token")):  # fmt: skip
+        cells = []
+        for m in MODES[1:]:
+            pairs = zip(runs[m], runs["off"], strict=True)
+            ratios = [getattr(r, attr) / getattr(o, attr) for r, o in pairs]
+            cells.append(
+                f"{m} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+            )
+        print(f"{label:<44}" + "   ".join(cells))
     return 0
 
 
