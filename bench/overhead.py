@@ -21,6 +21,7 @@ end-to-end throughput; page tags plus canaries at most 1% of decode step time.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import tempfile
@@ -204,11 +205,12 @@ def request_hooks(prompt: int, page_size: int, requests: int) -> None:
     decode.close()
 
 
-def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int) -> None:
+def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int, rounds: int) -> None:
     """The per-step hooks alone at a large batch on CPU tensors, the way minipd's decode step
     calls them: the batch's tag check every step, and a new page (``on_alloc`` + ``extend``)
     for each request whose context crosses a page boundary. Host CPU per step per running
-    request, in ``log`` and ``enforce`` (the baseline, ``off``, costs nothing: no hook runs)."""
+    request in ``log`` and ``enforce``, against the baseline of the same loop with no hook
+    called (the engine's own bookkeeping of the bench), rounds interleaved."""
     import numpy as np
     import torch
 
@@ -217,38 +219,54 @@ def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int) ->
     torch.set_num_threads(1)
     per_request = -(-(context + steps) // page_size) + 1
     num_pages = batch * per_request + 1
-    results = {}
-    for mode in ("log", "enforce", "log", "enforce"):  # interleaved, best of two each
-        pool = PagedKVPool([torch.zeros((num_pages * page_size, 1, 128))], page_size)
-        watch = KVWatch(pool, role="decode", engine="bench", mode=mode)
-        free = list(np.random.default_rng(0).permutation(np.arange(1, num_pages)).tolist())
-        tickets = []
-        for r in range(batch):
-            pages = [free.pop() for _ in range(-(-context // page_size))]
-            watch.on_alloc(pages, f"r{r}")
-            ticket = watch.on_reserve(f"r{r}", pages)
-            assert ticket is not None
-            watch.state.own_writes(ticket.pages)  # type: ignore[union-attr]
-            tickets.append(ticket)
-        lengths = [context + r % page_size for r in range(batch)]  # boundaries spread out
-        started = time.thread_time()
-        for _ in range(steps):
-            verdicts = watch.check_batch(tickets)
-            assert not verdicts
-            for r, ticket in enumerate(tickets):
-                lengths[r] += 1
-                if lengths[r] % page_size == 0:
-                    page = [free.pop()]
-                    watch.on_alloc(page, ticket.request_id)
-                    watch.extend(ticket, page)
-        per = 1e6 * (time.thread_time() - started) / (steps * batch)
-        results[mode] = min(results.get(mode, per), per)
-        watch.close()
+    results: dict[str, list[float]] = {"none": [], "log": [], "enforce": []}
+    for _ in range(rounds):
+        for mode, times in results.items():
+            pool = PagedKVPool([torch.zeros((num_pages * page_size, 1, 128))], page_size)
+            watch = KVWatch(pool, role="decode", engine="bench", mode=mode.replace("none", "off"))
+            watch.on_free(list(range(num_pages)))  # at start every page is free, as in minipd
+            free = list(np.random.default_rng(0).permutation(np.arange(1, num_pages)).tolist())
+            tickets = []
+            for r in range(batch):
+                pages = [free.pop() for _ in range(-(-context // page_size))]
+                watch.on_alloc(pages, f"r{r}")
+                ticket = watch.on_reserve(f"r{r}", pages)
+                assert ticket is not None
+                watch.state.own_writes(ticket.pages)  # type: ignore[union-attr]
+                tickets.append(ticket)
+            hooks = mode != "none"
+            lengths = [context + r % page_size for r in range(batch)]  # boundaries spread out
+            # The setup's allocations owe the interpreter a full collection (~0.2 s once torch
+            # is loaded): taken here, or it lands in whichever round is timed next.
+            gc.collect()
+            started = time.thread_time()
+            for _ in range(steps):
+                if hooks:
+                    verdicts = watch.check_batch(tickets)
+                    assert not verdicts
+                for r, ticket in enumerate(tickets):
+                    lengths[r] += 1
+                    if lengths[r] % page_size == 0:
+                        page = [free.pop()]
+                        if hooks:
+                            watch.on_alloc(page, ticket.request_id)
+                            watch.extend(ticket, page)
+            times.append(1e6 * (time.thread_time() - started) / (steps * batch))
+            watch.close()
+    base = min(results["none"])
+
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.2f} us (rounds {min(values):.2f}-{max(values):.2f})"
+
     print(
         f"per-step hooks at batch {batch}, {context}-token contexts, page {page_size}, "
-        f"{steps} steps, CPU tensors: "
-        + ", ".join(f"{m} {us:.2f} us" for m, us in results.items())
-        + " of host CPU per step per running request (off: 0, no hook runs)"
+        f"{steps} steps, CPU tensors, {rounds} interleaved rounds; host CPU per step per "
+        f"running request, best of the rounds: the loop without hooks {spread(results['none'])}; "
+        + "; ".join(
+            f"{m} {spread(v)}, hooks {min(v) - base:.2f} us"
+            for m, v in results.items()
+            if m != "none"
+        )
     )
 
 
@@ -267,15 +285,20 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256, help="the per-step hooks alone")
     parser.add_argument("--batch-context", type=int, default=2000)
     parser.add_argument("--batch-steps", type=int, default=64)
+    parser.add_argument("--batch-rounds", type=int, default=3)
     args = parser.parse_args()
     request_hooks(4000, args.page_size, 20)
-    step_hooks_at_batch(args.batch, args.batch_context, args.page_size, args.batch_steps)
+    step_hooks_at_batch(
+        args.batch, args.batch_context, args.page_size, args.batch_steps, args.batch_rounds
+    )
     if args.rounds == 0:
         return 0
     items = workload(args.seed, args.requests, args.min_words, args.max_words)
     runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
     for round_no in range(args.rounds):
-        for mode in MODES:
+        # The order turns each round, so no mode always runs first (after a cold start) or
+        # next to the same neighbour.
+        for mode in MODES[round_no % len(MODES) :] + MODES[: round_no % len(MODES)]:
             run = run_once(mode, args, items)
             runs[mode].append(run)
             print(
@@ -320,6 +343,18 @@ def main() -> int:
         f"{median(m, 'host_us_per_running_request'):10.2f}{'':12}" for m in MODES[1:]
     )
     print(f"{'per-step hooks, host us per running request':<44}{per_request}")
+    # Ratios paired within a round (the same minutes of a shared machine), then the median.
+    print(f"\nper-round ratio to off, median (range) of {args.rounds} rounds")
+    for label, attr in (("generated tokens/s (wall)", "tokens_per_s"),
+                        ("CPU us per generated token", "cpu_us_per_token")):  # fmt: skip
+        cells = []
+        for m in MODES[1:]:
+            pairs = zip(runs[m], runs["off"], strict=True)
+            ratios = [getattr(r, attr) / getattr(o, attr) for r, o in pairs]
+            cells.append(
+                f"{m} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+            )
+        print(f"{label:<44}" + "   ".join(cells))
     return 0
 
 

@@ -100,15 +100,24 @@ def _payload_int(page: int, generation: int, purpose: int) -> int:
     return mixed ^ (mixed >> 17)
 
 
+# One byte of payload bits as eight fp8 stamp bytes (a table: this runs once per page).
+_FP8_BYTES = [bytes(0x7F | (((v >> i) & 1) << 7) for i in range(8)) for v in range(256)]
+_HALVES = struct.Struct("<8H")
+_WORDS = struct.Struct("<4I")
+
+
 def stamp_bytes(page: int, generation: int, purpose: Purpose, kv_dtype: torch.dtype) -> bytes:
     """One page's stamp, equal to ``stamps(...)[0]`` for that page."""
     p = _payload_int(page, generation, int(purpose))
     size = element_size(kv_dtype)
     if size == 1:
-        return bytes(0x7F | (((p >> i) & 1) << 7) for i in range(STAMP_BYTES))
+        return _FP8_BYTES[p & 0xFF] + _FP8_BYTES[(p >> 8) & 0xFF]
     if size == 2:
         base = 0x7F80 | 0x40 if kv_dtype == torch.bfloat16 else 0x7C00 | 0x200
-        return struct.pack("<8H", *(base | ((p >> (6 * i)) & 0x3F) for i in range(8)))
+        return _HALVES.pack(*[base | ((p >> shift) & 0x3F) for shift in range(0, 48, 6)])
     if size == 4:
-        return struct.pack("<4I", *(0x7FC00000 | ((p >> (12 * i)) & 0xFFF) for i in range(4)))
+        nan = 0x7FC00000
+        return _WORDS.pack(
+            nan | (p & 0xFFF), nan | (p >> 12 & 0xFFF), nan | (p >> 24 & 0xFFF), nan | (p >> 36)
+        )
     raise ValueError(f"no canary encoding for {kv_dtype}")

@@ -10,7 +10,7 @@ the engine already synchronises; on CPU that is at once.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -24,6 +24,9 @@ from engine_hooks.pool import PagedKVPool, PageIds
 from kvspool.catalogue import DETECTOR, KIND, SKIP_REASON, unsafe_band
 
 _MODE_OFF = SKIP_REASON.check("mode_off")
+
+#: (request id, page count) per consecutive run of a check's pages, or a callable giving them.
+Owners = list[tuple[str, int]] | Callable[[], list[tuple[str, int]]]
 
 
 class Mode(StrEnum):
@@ -113,13 +116,14 @@ class Finding:
     """A check whose result may still live on the device: ``bad`` masks the failing pages.
 
     ``owners`` splits ``pages`` into consecutive runs that belong to one request each, so one
-    vectorised check can cover a whole decode batch; ``instances`` (empty, or one per owner)
-    names each run's request instance.
+    vectorised check can cover a whole decode batch; a callable gives them when a page fails
+    (for a check resolved at once, so a clean one does not build them). ``instances`` (empty,
+    or one per owner) names each run's request instance.
     """
 
     detector: str
     kind: str
-    owners: list[tuple[str, int]]
+    owners: Owners
     pages: Ints
     bad: Mask
     mode: Mode
@@ -149,8 +153,9 @@ class Finding:
             return []
         pages = self.pages.tolist() if isinstance(self.pages, torch.Tensor) else self.pages
         bad = self.bad.tolist() if isinstance(self.bad, torch.Tensor) else self.bad
+        owners = self.owners() if callable(self.owners) else self.owners
         verdicts, start = [], 0
-        for i, (request_id, count) in enumerate(self.owners):
+        for i, (request_id, count) in enumerate(owners):
             failing = tuple(
                 p
                 for p, b in zip(
@@ -211,7 +216,7 @@ class PageTags(Detector):
 
     def compare(
         self,
-        owners: list[tuple[str, int]],
+        owners: Owners,
         pages: Ints,
         expected: Ints,
         instances: tuple[str, ...] = (),

@@ -104,6 +104,7 @@ class Ticket:
     _stacked: torch.Tensor | None = field(default=None, init=False, repr=False)
     _buffer: torch.Tensor | None = field(default=None, init=False, repr=False)
     _host: np.ndarray | None = field(default=None, init=False, repr=False)
+    _host_stacked: np.ndarray | None = field(default=None, init=False, repr=False)
     _count: int = field(default=0, init=False, repr=False)
 
     @property
@@ -119,13 +120,22 @@ class Ticket:
             self._buffer, self._count = buffer, n
             self._host = buffer.numpy() if buffer.device.type == "cpu" else None
             self._stacked = buffer[:, :n]
+            self._host_stacked = None if self._host is None else self._host[:, :n]
         return self._stacked
 
     def repoint(self, pages: Ints, tags: Ints) -> None:
         """The request's row now names other pages (a radix-cache dedup re-pointed it): the
         ticket follows, and its cached tensors are rebuilt at the next step."""
         self.pages, self.tags = pages, tags
-        self._stacked = self._buffer = self._host = None
+        self._stacked = self._buffer = self._host = self._host_stacked = None
+
+    def host_stacked(self) -> np.ndarray:
+        """:meth:`stacked` of a host pool as a numpy view (numpy joins many small arrays in
+        half the time of ``torch.cat``)."""
+        if self._host_stacked is None:
+            self.stacked(torch.device("cpu"))
+        assert self._host_stacked is not None
+        return self._host_stacked
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         stacked = self.stacked(device)
@@ -134,13 +144,22 @@ class Ticket:
     def _append(self, pages: Ints, tags: Ints) -> None:
         """``extend`` added these pages to ``self.pages`` and ``self.tags``."""
         start, end = self._count, self._count + len(pages)
-        if self._host is None or self._buffer is None or end > self._host.shape[1]:
-            self._stacked = self._buffer = self._host = None  # rebuilt at the next step
+        host = self._host
+        if host is None or self._buffer is None or end > host.shape[1]:
+            self._stacked = self._buffer = self._host = self._host_stacked = None  # rebuilt
             return
-        self._host[0, start:end] = pages
-        self._host[1, start:end] = tags
+        if end == start + 1 and isinstance(pages, list) and isinstance(tags, list):
+            host[0, start], host[1, start] = pages[0], tags[0]  # one decode page: no slicing
+        else:
+            host[0, start:end] = pages
+            host[1, start:end] = tags
         self._count = end
         self._stacked = self._buffer[:, :end]
+        self._host_stacked = host[:, :end]
+
+
+def _owners(tickets: Sequence[Ticket]) -> list[tuple[str, int]]:
+    return [(t.request_id, t.page_count) for t in tickets]
 
 
 def _int64(values: Ints, device: torch.device) -> torch.Tensor:
@@ -167,6 +186,8 @@ def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], 
         for detector in watch.detectors_of(name):
             watch.stats.skipped(detector, _HOOK_ERROR)
 
+    labels = (name,)
+
     def wrap(method: Callable[P, R]) -> Callable[P, R]:
         guarded = never_raise(failed, fallback)(method)
 
@@ -179,7 +200,7 @@ def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], 
                 result: R = guarded(*args, **kwargs)
                 return result
             finally:
-                watch.stats.add("hook_seconds", (name,), time.perf_counter() - started)
+                watch.stats.add("hook_seconds", labels, time.perf_counter() - started)
 
         return timed
 
@@ -324,8 +345,14 @@ class KVWatch:
         index = self.state.index(pages)
         self.state.own_writes(index)
         gens = self.state.generations(index)
-        ticket.pages = self.state.concat([ticket.pages, index])
-        ticket.tags = self.state.concat([ticket.tags, gens])
+        if isinstance(ticket.pages, list) and isinstance(ticket.tags, list):
+            # Host lists grow in place (a copy per decode page is O(pages)); nothing else
+            # holds them: host findings are resolved before their hook returns.
+            ticket.pages.extend(index)
+            ticket.tags.extend(gens)
+        else:
+            ticket.pages = self.state.concat([ticket.pages, index])
+            ticket.tags = self.state.concat([ticket.tags, gens])
         ticket._append(index, gens)
 
     @_hook("seal", lambda: None)
@@ -380,18 +407,27 @@ class KVWatch:
         if self.state is None or self.tags is None or not tickets or not self.tags.active():
             return []
         self.stats.verified(PageTags.name, len(tickets))
-        owners = [(t.request_id, t.page_count) for t in tickets]
         instances = tuple(t.instance for t in tickets)
-        if self._on_device or sum(count for _, count in owners) >= _VECTOR_PAGES:
+        pages: Ints
+        expected: Ints
+        if self._on_device:
             assert self.pool is not None
             device = self.pool.device
             both = torch.cat([t.stacked(device) for t in tickets], dim=1)  # one copy, not two
-            pages: Ints = both[0]
-            expected: Ints = both[1]
+            pages, expected = both[0], both[1]
+            # Read at resolve(), after the tickets may have grown: taken now.
+            owners = _owners(tickets)
+            return self._settle([self.tags.compare(owners, pages, expected, instances)])
+        if len(tickets) >= _VECTOR_PAGES or sum(t.page_count for t in tickets) >= _VECTOR_PAGES:
+            both = torch.from_numpy(np.concatenate([t.host_stacked() for t in tickets], axis=1))
+            pages, expected = both[0], both[1]
         else:
             pages = self.state.concat([t.pages for t in tickets])
             expected = self.state.concat([t.tags for t in tickets])
-        return self._settle([self.tags.compare(owners, pages, expected, instances)])
+        # On the host the finding is resolved before this returns: the owners are needed only
+        # when a page is stale, so a clean step does not build them.
+        compare = self.tags.compare
+        return self._settle([compare(lambda: _owners(tickets), pages, expected, instances)])
 
     @_hook("admission", lambda: Verdict(Admission.name, ""))
     def on_admission(
