@@ -55,6 +55,7 @@ GOOD = [
         request_id="r",
         pages=[1],
         pages_total=1,
+        detail={},
         instance="9f3c01aa-2",
     ),
     base(type="seal", next_segment="p.000001.kvs"),
