@@ -65,6 +65,13 @@ class Hello(_Record, tag=HELLO, frozen=True, gc=False):
     rank: Int64
     pid: Int64
     node: Text = ""
+    # The engine's PD settings, as far as its adapter knows them (SGLang's ServerArgs): what an
+    # operator checks first when an incident names this producer.
+    disaggregation_mode: Text = ""
+    transfer_backend: Text = ""
+    page_size: Int64 = 0
+    kv_canary: Text = ""
+    kv_checksum: bool = False
 
 
 def _series_type(series: catalogue.Series) -> type[Struct]:
