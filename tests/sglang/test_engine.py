@@ -24,12 +24,132 @@ REPO = Path(__file__).resolve().parents[2]
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
 
 
-def test_pool_versus_context_and_engine_identity(kv: Any) -> None:
+#: A model directory holding only its Hugging Face config: SGLang's own ``ModelConfig`` reads
+#: the context length from it (no weights are loaded: the model worker is a stand-in).
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "max_position_embeddings": 1_048_576,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "torch_dtype": "bfloat16",
+}
+
+#: ``Scheduler.__init__`` steps that need what this CPU stage lacks, replaced by no-ops: ZMQ
+#: sockets to the tokenizer and detokenizer (ipc channels, request receiver, output streamer,
+#: KV-event publisher), torch.distributed groups (profiler, weight updater, dp-attention
+#: adapter, grammar manager's first rank, request dispatcher), the loaded model runner (overlap
+#: and its future map, n-gram embedding, the batch-result processor and the timing summary that
+#: read them), the disaggregation KV manager (a transfer engine), and the observers that read
+#: those. Names absent from a release are skipped; a step not named here runs for real.
+NO_OP_STEPS = (
+    "init_ipc_channels",
+    "init_request_receiver",
+    "init_output_streamer",
+    "init_kv_events_publisher",
+    "init_running_status",
+    "init_profiler",
+    "init_weight_updater",
+    "init_dp_attn_adapter",
+    "init_grammar_manager",
+    "init_request_dispatcher",
+    "init_overlap",
+    "maybe_init_ngram_embedding",
+    "init_batch_result_processor",
+    "init_startup_timing_summary",
+    "init_disaggregation",
+    "init_pool_stats_observer",
+    "init_invariant_checker",
+    "init_load_inquirer",
+)
+
+
+def _start_scheduler(server_args: Any) -> Any:
+    """SGLang's own ``Scheduler.__init__`` run to its end (hooks included, by the registry),
+    with the steps that load a model or open sockets and process groups replaced."""
+    import types as t
+
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.managers import scheduler as module
+    from sglang.srt.managers.scheduler import Scheduler
+
+    built: list[Any] = []
+
+    def model_worker(self: Any) -> None:
+        # What init_model_worker leaves after loading weights and sizing the KV pool: the pool
+        # and its allocator, built here as there (after the BEFORE hook knows the role).
+        allocator = sgl.allocator(sgl.mha_pool())
+        built.append(allocator)
+        runner = t.SimpleNamespace(canary_manager=None, token_to_kv_pool_allocator=allocator)
+        self.tp_worker = self.model_worker = t.SimpleNamespace(
+            model_runner=runner, weight_load_time=0.0, graph_time_usage=0.0
+        )
+        self.draft_worker = None
+        self.kv_cache_allocation_time = 0.0
+        self.max_total_num_tokens = allocator.size
+        self.max_prefill_tokens = 16384
+        self.max_running_requests = self.max_queued_requests = 8
+        self.max_req_len = self.max_req_input_len = self.model_config.context_len - 1
+        self.random_seed, self.device, self.forward_stream = 1, "cpu", None
+        self.min_free_slots_delayer = self.pad_input_ids_func = None
+        group = t.SimpleNamespace(cpu_group=None, world_size=1, rank_in_group=0)
+        for name in ("tp", "attn_tp", "attn_cp", "pp", "world", "dp_tp"):
+            setattr(self, f"{name}_group", group)
+            setattr(self, f"{name}_cpu_group", None)
+
+    def kv_cache(**_: Any) -> Any:
+        # What build_kv_cache returns: the pool and allocator init_model_worker sized.
+        allocator = built[-1]
+        return t.SimpleNamespace(
+            is_hybrid_swa=False,
+            is_hybrid_ssm=False,
+            sliding_window_size=None,
+            full_tokens_per_layer=allocator.size,
+            swa_tokens_per_layer=None,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=allocator,
+            disable_radix_cache=True,
+            tree_cache=None,
+        )
+
+    with pytest.MonkeyPatch.context() as patch:
+        # A context of its own, published the way SGLang's launcher does, so the session's
+        # overrides survive the test.
+        context = rc.RuntimeContext(parallel=rc.ParallelContext())
+        patch.setattr(rc, "_CONTEXT", context)
+        patch.setattr(rc, "_PARALLEL", context.parallel)
+        if hasattr(rc, "SpawnRanks"):
+            rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, gpu_id=0))
+        else:
+            rc.publish(server_args, role="scheduler")
+        patch.setattr(Scheduler, "init_model_worker", model_worker)
+        for name in NO_OP_STEPS:
+            patch.setattr(Scheduler, name, lambda self, *a, **k: None, raising=False)
+        if hasattr(module, "bootstrap"):  # torch.distributed and the model's layer runtime
+            patch.setattr(module.bootstrap, "init_parallel_runtime", lambda **k: None)
+            patch.setattr(module.bootstrap, "init_layer_runtime", lambda **k: None)
+        if hasattr(module, "kv_cache_builder"):
+            patch.setattr(module.kv_cache_builder, "build_kv_cache", kv_cache)
+        # (server_args, port_args); v0.5.19 also takes the ranks, all 0 on one rank.
+        ranks = [0] * (len(inspect.signature(Scheduler.__init__).parameters) - 3)
+        return Scheduler(server_args, t.SimpleNamespace(nccl_port=0), *ranks)
+
+
+def test_pool_versus_context_and_engine_identity(kv: Any, tmp_path: Path) -> None:
     from sglang.srt.server_args import ServerArgs
 
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
     wanted = {
-        "model_path": "zai-org/GLM-5.3",
+        "model_path": str(model),
         "served_model_name": "glm-5.3",
+        "skip_tokenizer_init": True,
+        "device": "cpu",
         "disaggregation_mode": "decode",
         "disaggregation_transfer_backend": "mooncake",
         "page_size": sgl.PAGE_SIZE,
@@ -41,24 +161,9 @@ def test_pool_versus_context_and_engine_identity(kv: Any) -> None:
     }
     server_args = ServerArgs(**{k: v for k, v in wanted.items() if k in known})
     checksum_flag = "disaggregation_enable_kv_checksum" in known
-    # SGLang's Scheduler.__init__(server_args, port_args), stopped at its first step (the rest
-    # loads a model): the BEFORE hook has run by then, ahead of the pool build.
-    from sglang.srt.managers.scheduler import Scheduler
-
-    class StopInitError(Exception):
-        pass
-
-    def stop(self: Any) -> None:
-        raise StopInitError
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Scheduler, "init_startup_timing_begin", stop, raising=False)
-        # (server_args, port_args); v0.5.19 also takes the ranks, all 0 on one rank.
-        ranks = [0] * (len(inspect.signature(Scheduler.__init__).parameters) - 3)
-        with pytest.raises(StopInitError):
-            Scheduler(server_args, None, *ranks)
-    sgl.allocator(sgl.mha_pool())  # the pool is built after the role is known
-    hooks_engine.report_pool(681_280, 1_048_576, sgl.PAGE_SIZE)
+    scheduler = _start_scheduler(server_args)
+    assert scheduler.is_initializing is False  # __init__ ran to its last line
+    assert scheduler.model_config.context_len == 1_048_576  # SGLang's own ModelConfig
     contents = sgl.spool(kv)
     hello = next(r for r in contents.records if r["type"] == "hello")
     assert (hello["engine"], hello["role"], hello["model"], hello["rank"]) == (
@@ -68,10 +173,15 @@ def test_pool_versus_context_and_engine_identity(kv: Any) -> None:
         0,
     )
     assert hello["engine_version"] == compat.sglang_version()
-    assert hello["transfer_backend"] == "mooncake" and hello["kv_checksum"] is checksum_flag
+    # The engine settings ride on the hello frame beside its schema keys; the typed reader
+    # keeps only the schema's, so they are checked where the frame is built.
+    identity = kv.all_watches[0].spool.identity
+    assert identity["transfer_backend"] == "mooncake"
+    assert identity["kv_checksum"] is checksum_flag
     gauges = [r for r in contents.records if r["type"] == "gauges"][-1]["gauges"]
-    assert ["kv_pool_tokens", {}, 681_280] in gauges
+    assert ["kv_pool_tokens", {}, sgl.SIZE] in gauges
     assert ["context_length_tokens", {}, 1_048_576] in gauges
+    assert ["page_size_tokens", {}, sgl.PAGE_SIZE] in gauges
 
 
 def test_sglang_kv_canary_violation_becomes_an_event_without_token_ids(kv: Any) -> None:
