@@ -173,11 +173,9 @@ def test_pool_versus_context_and_engine_identity(kv: Any, tmp_path: Path) -> Non
         0,
     )
     assert hello["engine_version"] == compat.sglang_version()
-    # The engine settings ride on the hello frame beside its schema keys; the typed reader
-    # keeps only the schema's, so they are checked where the frame is built.
-    identity = kv.all_watches[0].spool.identity
-    assert identity["transfer_backend"] == "mooncake"
-    assert identity["kv_checksum"] is checksum_flag
+    # The engine's PD settings reach the spool with it, through the typed reader.
+    assert hello["transfer_backend"] == "mooncake" and hello["kv_checksum"] is checksum_flag
+    assert hello["disaggregation_mode"] == "decode" and hello["page_size"] == sgl.PAGE_SIZE
     gauges = [r for r in contents.records if r["type"] == "gauges"][-1]["gauges"]
     assert ["kv_pool_tokens", {}, sgl.SIZE] in gauges
     assert ["context_length_tokens", {}, 1_048_576] in gauges
