@@ -35,6 +35,12 @@ MODEL_NAME = "tiny"
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 START_TIMEOUT_S = 420.0  # three servers starting together on a busy 2-core machine
 REQUEST_TIMEOUT_S = 60.0
+# NIXL's KV lease (``kv_lease_duration``, 30 s by default): prefill frees a request's blocks when
+# decode has not read them by then, and a read after that returns whatever the blocks hold now
+# (vLLM logs "Potentially invalid KV blocks" on prefill and serves the request). A UCX/TCP read on
+# loopback was seen to stall 35 s on a quiet machine; the lease outlasts any request of the bed.
+KV_LEASE_S = 600
+EXPIRED_LEASE = "Releasing expired KV blocks"
 
 
 def free_port() -> int:
@@ -54,7 +60,12 @@ def kvwatch_child(role: str, spool: Path, mode: str) -> dict[str, Any]:
 
 def transport_child(transport: str, role: str, storage: Path) -> dict[str, Any]:
     if transport == "nixl":
-        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S},
+        }
     return {
         "kv_connector": "ExampleConnector",
         "kv_role": role,
@@ -295,7 +306,11 @@ class Bed:
             if len(new) != 1:
                 raise AssertionError(f"expected one new stored prompt, found {len(new)}")
             corrupt_stored(new.pop())
-        return reply(self.decode[decode_mode].complete(prompt, max_tokens, params))
+        served = reply(self.decode[decode_mode].complete(prompt, max_tokens, params))
+        if EXPIRED_LEASE in self.prefill.log.read_text(errors="replace"):
+            # Decode then read blocks prefill had freed: a transport stall, not a KV finding.
+            raise AssertionError(f"{EXPIRED_LEASE} on prefill: decode read freed blocks")
+        return served
 
     def single(self, prompt: str, max_tokens: int) -> Reply:
         """The same prompt served by one engine, no PD: the reference output."""
