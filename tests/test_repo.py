@@ -27,7 +27,7 @@ def tracked_files() -> list[str]:
 def test_the_pattern_matches_what_it_forbids() -> None:
     for text in (
         "the " + "Ess" + "ay's check",
-        "see ../" + "shared/DESIGN.md",
+        "see " + "/".join(("..", "shared", "DESIGN.md")),
         "/work/" + "shared",
     ):
         assert FORBIDDEN.search(text.encode()), text

@@ -5,7 +5,10 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+import pytest
 import torch
+
+from engine_hooks.sglang import compat
 
 PAGE_SIZE = 4
 SIZE = 64  # token slots the allocator hands out: 16 pages, plus SGLang's padded page 0
@@ -48,6 +51,15 @@ def allocator(pool: Any, size: int = SIZE, need_sort: bool = False) -> Any:
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
     return PagedTokenToKVPoolAllocator(size, PAGE_SIZE, pool.dtype, "cpu", pool, need_sort)
+
+
+def needs(since: str, present: bool, what: str) -> None:
+    """Skip where the installed release predates ``what`` (added in ``since``); from ``since`` on
+    a missing point fails, so a point renamed in a newer release is never silently skipped."""
+    version = compat.sglang_version()
+    if not present and compat.version_tuple(version) < compat.version_tuple(since):
+        pytest.skip(f"sglang {version} predates {what} ({since}+)")
+    assert present, f"sglang {version} should have {what} ({since}+)"
 
 
 def extend_on_cpu(alloc: Any) -> bool:

@@ -185,8 +185,8 @@ def test_pool_versus_context_and_engine_identity(kv: Any, tmp_path: Path) -> Non
 def test_sglang_kv_canary_violation_becomes_an_event_without_token_ids(kv: Any) -> None:
     # Whether the release has the point, not whether a hook got attached: a missing hook
     # must fail this test, not skip it.
-    if not compat.exists(compat.CANARY_REPORTER + "._format_violation"):
-        pytest.skip("this release has no kv-canary")
+    present = compat.exists(compat.CANARY_REPORTER + "._format_violation")
+    sgl.needs("0.5.22", present, "--kv-canary")
     from sglang.kernels.ops.kv_canary.consts import FailReason, RealKvHashMode
     from sglang.kernels.ops.kv_canary.verify import CanaryLaunchTag
     from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
@@ -226,8 +226,8 @@ def test_sglang_kv_canary_violation_becomes_an_event_without_token_ids(kv: Any) 
 
 
 def test_sglang_kv_checksum_coverage_and_mismatch(kv: Any) -> None:
-    if not compat.exists(compat.DECODE_MIXIN + "._verify_kv_checksums"):
-        pytest.skip("this release has no --disaggregation-enable-kv-checksum")
+    present = compat.exists(compat.DECODE_MIXIN + "._verify_kv_checksums")
+    sgl.needs("0.5.21", present, "--disaggregation-enable-kv-checksum")
     from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin as Mixin
 
     reqs = [sgl.request("a"), sgl.request("b")]

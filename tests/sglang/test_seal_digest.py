@@ -21,8 +21,8 @@ from tests.sglang import sgl
 @pytest.mark.parametrize("kind", sorted(sgl.POOLS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_seal_is_sglangs_kv_checksum(kind: str, dtype: torch.dtype) -> None:
-    if importlib.util.find_spec("sglang.srt.disaggregation.checksum") is None:
-        pytest.skip("this release has no --disaggregation-enable-kv-checksum (v0.5.21+)")
+    present = importlib.util.find_spec("sglang.srt.disaggregation.checksum") is not None
+    sgl.needs("0.5.21", present, "--disaggregation-enable-kv-checksum")
     from sglang.srt.disaggregation.checksum import _to_page_indices_gpu
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
 
