@@ -27,6 +27,8 @@ _MODE_OFF = SKIP_REASON.check("mode_off")
 
 #: (request id, page count) per consecutive run of a check's pages, or a callable giving them.
 Owners = list[tuple[str, int]] | Callable[[], list[tuple[str, int]]]
+#: The request instance of each owner (or none), or a callable giving them, as ``Owners``.
+Instances = tuple[str, ...] | Callable[[], tuple[str, ...]]
 
 
 class Mode(StrEnum):
@@ -127,7 +129,7 @@ class Finding:
     pages: Ints
     bad: Mask
     mode: Mode
-    instances: tuple[str, ...] = ()
+    instances: Instances = ()
 
     @classmethod
     def single(
@@ -154,6 +156,7 @@ class Finding:
         pages = self.pages.tolist() if isinstance(self.pages, torch.Tensor) else self.pages
         bad = self.bad.tolist() if isinstance(self.bad, torch.Tensor) else self.bad
         owners = self.owners() if callable(self.owners) else self.owners
+        instances = self.instances() if callable(self.instances) else self.instances
         verdicts, start = [], 0
         for i, (request_id, count) in enumerate(owners):
             failing = tuple(
@@ -165,7 +168,7 @@ class Finding:
             )
             start += count
             if failing:
-                instance = self.instances[i] if self.instances else ""
+                instance = instances[i] if instances else ""
                 verdict = Verdict(self.detector, request_id, False, self.kind, failing, self.mode)
                 verdicts.append(replace(verdict, instance=instance) if instance else verdict)
         return verdicts
@@ -219,7 +222,7 @@ class PageTags(Detector):
         owners: Owners,
         pages: Ints,
         expected: Ints,
-        instances: tuple[str, ...] = (),
+        instances: Instances = (),
     ) -> Finding:
         bad = self.state.stale(pages, expected)
         return Finding(self.name, self.STALE_TAG, owners, pages, bad, self.mode, instances)

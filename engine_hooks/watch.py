@@ -162,6 +162,10 @@ def _owners(tickets: Sequence[Ticket]) -> list[tuple[str, int]]:
     return [(t.request_id, t.page_count) for t in tickets]
 
 
+def _instances(tickets: Sequence[Ticket]) -> tuple[str, ...]:
+    return tuple(t.instance for t in tickets)
+
+
 def _int64(values: Ints, device: torch.device) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.to(device=device, dtype=torch.int64)
@@ -407,7 +411,6 @@ class KVWatch:
         if self.state is None or self.tags is None or not tickets or not self.tags.active():
             return []
         self.stats.verified(PageTags.name, len(tickets))
-        instances = tuple(t.instance for t in tickets)
         pages: Ints
         expected: Ints
         if self._on_device:
@@ -417,6 +420,7 @@ class KVWatch:
             pages, expected = both[0], both[1]
             # Read at resolve(), after the tickets may have grown: taken now.
             owners = _owners(tickets)
+            instances = _instances(tickets)
             return self._settle([self.tags.compare(owners, pages, expected, instances)])
         if len(tickets) >= _VECTOR_PAGES or sum(t.page_count for t in tickets) >= _VECTOR_PAGES:
             both = torch.from_numpy(np.concatenate([t.host_stacked() for t in tickets], axis=1))
@@ -424,10 +428,10 @@ class KVWatch:
         else:
             pages = self.state.concat([t.pages for t in tickets])
             expected = self.state.concat([t.tags for t in tickets])
-        # On the host the finding is resolved before this returns: the owners are needed only
-        # when a page is stale, so a clean step does not build them.
-        compare = self.tags.compare
-        return self._settle([compare(lambda: _owners(tickets), pages, expected, instances)])
+        # On the host the finding is resolved before this returns: owners and instances are
+        # needed only when a page is stale, so a clean step does not build them.
+        owned, named = (lambda: _owners(tickets)), (lambda: _instances(tickets))
+        return self._settle([self.tags.compare(owned, pages, expected, named)])
 
     @_hook("admission", lambda: Verdict(Admission.name, ""))
     def on_admission(
