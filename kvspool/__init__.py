@@ -10,6 +10,7 @@ dependencies: the hooks run inside an engine with torch, the daemon runs without
 from kvspool.framing import HEADER_BYTES, MAGIC, SEGMENT_SUFFIX, Frame, encode_frame, iter_frames
 from kvspool.records import (
     MAX_EVENT_PAGES,
+    MAX_EVENT_SOURCES,
     MAX_RECORD_BYTES,
     SCHEMA_VERSION,
     Counters,
@@ -18,6 +19,7 @@ from kvspool.records import (
     Hello,
     Record,
     Seal,
+    Source,
 )
 from kvspool.schema import SchemaError, decode_payload, encode_payload, validate
 from kvspool.segments import SpoolContents, read_segment, read_spool
@@ -28,6 +30,7 @@ __all__ = [
     "HEADER_BYTES",
     "MAGIC",
     "MAX_EVENT_PAGES",
+    "MAX_EVENT_SOURCES",
     "MAX_RECORD_BYTES",
     "SCHEMA_VERSION",
     "SEGMENT_SUFFIX",
@@ -39,6 +42,7 @@ __all__ = [
     "Record",
     "SchemaError",
     "Seal",
+    "Source",
     "SpoolContents",
     "SpoolWriter",
     "decode_payload",

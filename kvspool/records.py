@@ -22,6 +22,9 @@ SCHEMA_VERSION: Final = 1
 MAX_RECORD_BYTES: Final = 64 * 1024
 #: An event names at most this many pages; ``pages_total`` keeps the true count.
 MAX_EVENT_PAGES: Final = 256
+#: An event names at most this many source requests (the ones with most pages); the rest are
+#: counted in ``other_sources`` and ``other_source_pages``.
+MAX_EVENT_SOURCES: Final = 16
 MAX_STRING_CHARS: Final = 256
 MAX_DETAIL_ITEMS: Final = 256
 MAX_SERIES: Final = 4096
@@ -118,6 +121,17 @@ class Gauges(_Record, tag=GAUGES, frozen=True, gc=False):
     gauges: Annotated[list[GaugeSeries], Meta(max_length=MAX_SERIES)]
 
 
+class Source(Struct, kw_only=True, frozen=True, gc=False, forbid_unknown_fields=True):
+    """A request whose KV the event's reader was exposed to: it last wrote ``pages`` of the
+    pages the reader had no right to read (the hooks' per-page last-writer record)."""
+
+    request_id: Text
+    pages: Count
+    instance: Text | None = None
+    #: When it last wrote one of those pages (Unix seconds); 0 when the hooks do not know.
+    written_at: Timestamp = 0.0
+
+
 class Event(_Record, tag=EVENT, frozen=True, gc=False):
     """One detection: a request read (or would read) pages it did not write."""
 
@@ -131,6 +145,12 @@ class Event(_Record, tag=EVENT, frozen=True, gc=False):
     detail: Annotated[dict[Text, Int64 | Text], Meta(max_length=MAX_DETAIL_ITEMS)] = {}
     #: The request instance (one per admission), where the engine adapter knows it.
     instance: Text | None = None
+    #: Whose data the pages held (the blast radius), most pages first; empty when the pages
+    #: held nobody's data or the detector cannot tell (e.g. an admission finding).
+    sources: Annotated[list[Source], Meta(max_length=MAX_EVENT_SOURCES)] = []
+    #: Source requests beyond ``sources``, and their pages.
+    other_sources: Count = 0
+    other_source_pages: Count = 0
 
 
 class Seal(_Record, tag=SEAL, frozen=True, gc=False):

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kvspool import SchemaError, catalogue, decode_payload, encode_payload
-from kvspool.schema import MAX_EVENT_PAGES
+from kvspool.schema import MAX_EVENT_PAGES, MAX_EVENT_SOURCES
 
 
 def base(**fields: Any) -> dict[str, Any]:
@@ -50,6 +50,12 @@ GOOD = [
         pages_total=2,
         detail={"x": 1, "y": "z"},
         instance="r-1",
+        sources=[
+            {"request_id": "w", "pages": 2, "instance": "w-1", "written_at": 0.5},
+            {"request_id": "u", "pages": 1, "instance": None, "written_at": 0.0},
+        ],
+        other_sources=3,
+        other_source_pages=4,
     ),
     base(
         type="event",
@@ -62,6 +68,9 @@ GOOD = [
         pages_total=1,
         detail={},
         instance="9f3c01aa-2",
+        sources=[],
+        other_sources=0,
+        other_source_pages=0,
     ),
     base(type="seal", next_segment="p.000001.kvs"),
 ]
@@ -89,6 +98,15 @@ def test_valid_records_round_trip(record: dict[str, Any]) -> None:
         ),
         (encode_payload(event(pages=list(range(MAX_EVENT_PAGES + 1)))), "malformed"),
         (encode_payload(event(instance=7)), "malformed"),
+        (
+            encode_payload(
+                event(sources=[{"request_id": "w", "pages": 1}] * (MAX_EVENT_SOURCES + 1))
+            ),
+            "malformed",
+        ),
+        (encode_payload(event(sources=[{"request_id": "w", "pages": -1}])), "malformed"),
+        (encode_payload(event(sources=[{"request_id": "w", "pages": 1, "x": 1}])), "malformed"),
+        (encode_payload(event(other_sources=1 << 64)), "malformed"),
         (encode_payload(base(type="seal", next_segment="x", seq=0)), "malformed"),
         (encode_payload(base(type="seal", next_segment="x", seq=True)), "malformed"),
     ],
