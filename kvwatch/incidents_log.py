@@ -1,0 +1,276 @@
+"""The incidents log: every incident the journal commits, once, as one JSON line.
+
+The file a log shipper (Grafana Alloy, Promtail, Fluent Bit) tails into Loki, and that
+``kvwatch incidents --incidents-log`` reads back for a fleet-wide list. Each line is an
+:class:`IncidentLine`; its fields are a public format, versioned by ``v`` (a new field may be
+added within a version; removing or changing one is a new version). Like the journal it holds
+request ids, page ids and counts, never prompt text, token ids or KV bytes.
+
+Exactly once, across restarts and ``kill -9``: lines are written from the journal (after the
+commit that stored the incidents), and the journal's ``meta`` keeps the id of the last incident
+written. A crash between the write and that update is repaired at start from the log itself:
+its last complete line names the journal and the incident id it holds, and a torn last line is
+cut off (its incident is written again, whole).
+
+Rotation by size, as ``logrotate`` and Python's ``RotatingFileHandler`` name files: ``PATH`` is
+written, ``PATH.1`` is the newest rotated file, ``PATH.<keep>`` the oldest kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from kvspool.records import (
+    MAX_DETAIL_ITEMS,
+    MAX_EVENT_PAGES,
+    MAX_EVENT_SOURCES,
+    Count,
+    Int64,
+    Seq,
+    Source,
+    Text,
+    Timestamp,
+)
+from kvwatch.journal import Journal
+
+#: The line format's version (``v``).
+LOG_VERSION: Final = 1
+#: ``meta`` key: the id of the last incident written to the log.
+HIGH_WATER_KEY: Final = "incidents_log_id"
+#: Incidents written per round: a backlog drains over several polls, in bounded memory.
+DRAIN_BATCH: Final = 1000
+#: The longest line a reader accepts (a full event's line is well under this).
+MAX_LINE_BYTES: Final = 1 << 20
+
+
+class IncidentLine(Struct, kw_only=True, frozen=True, gc=False):
+    """One incident. Fields mean what the journal's columns mean (``kvwatch incidents``)."""
+
+    v: Literal[1]
+    #: The journal that recorded it (its ``meta`` journal_id) and the incident's id there.
+    journal: Text
+    id: Count
+    #: Unix seconds, and the same instant as ISO 8601 UTC for people and LogQL.
+    ts: Timestamp
+    time: Text
+    node: Text
+    producer: Text
+    seq: Seq
+    role: Text
+    engine: Text
+    engine_version: Text
+    model: Text
+    rank: Int64
+    request_id: Text
+    instance: Text | None
+    detector: Text
+    kind: Text
+    mode: Text
+    action: Text
+    pages: Annotated[list[Int64], Meta(max_length=MAX_EVENT_PAGES)]
+    pages_total: Count
+    #: Whose KV the pages held, most pages first, and the count of the unnamed rest.
+    sources: Annotated[list[Source], Meta(max_length=MAX_EVENT_SOURCES)]
+    other_sources: Count
+    other_source_pages: Count
+    detail: Annotated[dict[Text, Int64 | Text], Meta(max_length=MAX_DETAIL_ITEMS)]
+
+
+_encode: Final = msgspec.json.Encoder().encode
+_decode: Final = msgspec.json.Decoder(IncidentLine).decode
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def from_row(row: dict[str, Any], journal_id: str) -> IncidentLine:
+    """The line for one of :meth:`Journal.incidents`' rows."""
+    return IncidentLine(
+        v=LOG_VERSION,
+        journal=journal_id,
+        id=row["id"],
+        ts=row["time"],
+        time=iso(row["time"]),
+        node=row["node"] or "",
+        producer=row["producer"],
+        seq=row["seq"],
+        role=row["role"] or "",
+        engine=row["engine"] or "",
+        engine_version=row["engine_version"] or "",
+        model=row["model"] or "",
+        rank=row["rank"] or 0,
+        request_id=row["request_id"],
+        instance=row["instance"],
+        detector=row["detector"],
+        kind=row["kind"],
+        mode=row["mode"] or "",
+        action=row["action"] or "",
+        pages=row["pages"],
+        pages_total=row["pages_total"],
+        sources=[Source(**s) for s in row["sources"]],
+        other_sources=row["other_sources"],
+        other_source_pages=row["other_source_pages"],
+        detail=row["detail"],
+    )
+
+
+def to_row(line: IncidentLine) -> dict[str, Any]:
+    """The row :meth:`Journal.incidents` would give for ``line`` (one shape for both)."""
+    row = msgspec.structs.asdict(line)
+    del row["v"], row["journal"]
+    row["time"] = row.pop("ts")
+    row["sources"] = [msgspec.structs.asdict(s) for s in line.sources]
+    return row
+
+
+def rotated(path: Path) -> list[Path]:
+    """``path`` and its rotated files, oldest first."""
+    numbered = []
+    for candidate in path.parent.glob(path.name + ".*"):
+        suffix = candidate.name[len(path.name) + 1 :]
+        if suffix.isdigit():
+            numbered.append((int(suffix), candidate))
+    files = [p for _, p in sorted(numbered, reverse=True)]
+    return [*files, path] if path.exists() else files
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+class IncidentsLog:
+    """Appends the journal's new incidents to the log; one per daemon (it holds the journal)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int, keep: int) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.written = -1  # unknown until the first drain reads the journal and the log
+
+    def drain(self, journal: Journal) -> int:
+        """Write the incidents committed since the last call; returns how many."""
+        journal_id = journal.meta("journal_id") or ""
+        if self.written < 0:
+            self.written = self._recover(journal, journal_id)
+        rows = journal.incidents(after_id=self.written, limit=DRAIN_BATCH)
+        if not rows:
+            return 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for row in rows:
+            data = _encode(from_row(row, journal_id)) + b"\n"
+            self._append(data)
+            # Each line is written whole before the mark moves past it; a crash in between is
+            # repaired from the log's last line (see _recover).
+            self.written = row["id"]
+        journal.set_meta(HIGH_WATER_KEY, str(self.written))
+        return len(rows)
+
+    def _append(self, data: bytes) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        if size and size + len(data) > self.max_bytes:
+            self._rotate()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    def _rotate(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.path.parent / f"{self.path.name}.{self.keep}").unlink()
+        for index in range(self.keep - 1, 0, -1):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(
+                    f"{self.path}.{index}", self.path.parent / f"{self.path.name}.{index + 1}"
+                )
+        if self.keep > 0:
+            os.replace(self.path, f"{self.path}.1")
+        else:
+            self.path.unlink()
+
+    def _recover(self, journal: Journal, journal_id: str) -> int:
+        """The id of the last incident in the log: the journal's mark, or further when the log
+        holds lines written after it (a crash before the mark was stored)."""
+        written = int(journal.meta(HIGH_WATER_KEY) or 0)
+        for path in reversed(rotated(self.path)):
+            last = _last_line(path)
+            if last is None:
+                continue
+            try:
+                line = _decode(last)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                break  # not ours to judge: the mark stands
+            if line.journal == journal_id:
+                written = max(written, line.id)
+            break
+        return written
+
+
+def _last_line(path: Path) -> bytes | None:
+    """The last complete line of ``path``; a torn line after it (a write cut short) is cut off,
+    so that the next line starts on a line of its own."""
+    try:
+        with path.open("rb+") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            start = max(0, size - 2 * MAX_LINE_BYTES)
+            handle.seek(start)
+            tail = handle.read()
+            end = tail.rfind(b"\n")
+            if end + 1 < len(tail):
+                handle.truncate(start + end + 1)
+            if end < 0:
+                return None
+            begin = tail.rfind(b"\n", 0, end) + 1
+            return tail[begin:end]
+    except FileNotFoundError:
+        return None
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ReadResult:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    #: One line per skipped line: "PATH:LINE: why".
+    errors: list[str] = field(default_factory=list)
+    skipped: int = 0
+
+
+def read(path: Path, result: ReadResult | None = None) -> ReadResult:
+    """The incidents in ``path`` and its rotated files. A line that is not an incident line
+    (hostile, torn, from another tool) is skipped and named; the rest are kept."""
+    result = result or ReadResult()
+    for file in rotated(path):
+        for number, line in _lines(file):
+            try:
+                if len(line) > MAX_LINE_BYTES:
+                    raise msgspec.ValidationError(f"longer than {MAX_LINE_BYTES} bytes")
+                result.rows.append(to_row(_decode(line)))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                result.skipped += 1
+                reason = " ".join(str(exc).split())[:200]
+                result.errors.append(f"{file}:{number}: not an incident line ({reason})")
+    return result
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, 1):
+            stripped = line.strip()
+            if stripped:
+                yield number, stripped
