@@ -60,6 +60,24 @@ class RecordingRule:
 
 
 @dataclass(frozen=True)
+class Context:
+    """A second number an alert's description states, beside ``$value``: the increase of
+    ``counter`` over ``window`` where its ``by`` labels are the alert's, written ``{{ <name> }}``
+    in the description. Prometheus runs it with the ``query`` template function; Grafana runs it
+    as one more query of the rule (``$values.<ref>``), summed by ``by``."""
+
+    name: str
+    counter: str
+    by: tuple[str, ...]
+    window: str = "5m"
+
+    def expr(self, selector: str = "") -> str:
+        """Summed over ``selector`` (Prometheus), or by ``by`` without one (Grafana)."""
+        increase = f"increase({self.counter}{selector}[{self.window}])"
+        return f"sum({increase})" if selector else f"sum by ({', '.join(self.by)}) ({increase})"
+
+
+@dataclass(frozen=True)
 class Alert:
     name: str
     severity: str
@@ -69,6 +87,7 @@ class Alert:
     for_: str = ""
     """Prometheus ``for``; empty means the alert fires on the first evaluation that matches."""
     labels: dict[str, str] = field(default_factory=dict)
+    context: tuple[Context, ...] = ()
 
     @property
     def anchor(self) -> str:
@@ -158,6 +177,9 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
 
 _WHERE = "{{ $labels.role }} on node {{ $labels.node }}"
 
+#: Requests whose KV a reader on the alert's node and role received in the last 5 minutes.
+EXPOSED_REQUESTS = Context("exposed_requests", exposed("exposed_requests"), ("node", "role"))
+
 ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVIntegrityMismatch",
@@ -173,8 +195,10 @@ ALERTS: tuple[Alert, ...] = (
             "The {{ $labels.detector }} detector on "
             + _WHERE
             + ' found {{ $value | printf "%.0f" }} KV integrity mismatch(es) of kind '
-            "{{ $labels.kind }} in the last 5 minutes."
+            "{{ $labels.kind }} in the last 5 minutes; {{ exposed_requests }} request(s) had "
+            "their KV exposed to another request there (kvwatch incidents --exposed names them)."
         ),
+        context=(EXPOSED_REQUESTS,),
     ),
     Alert(
         name="KVPoolSmallerThanContext",

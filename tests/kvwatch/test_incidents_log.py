@@ -203,3 +203,25 @@ def test_the_daemon_writes_each_incident_once_across_kill9(tmp_path: Path) -> No
     assert json.loads(
         run_cli("incidents", "--journal", str(daemon.journal), *view).stdout
     ) == json.loads(run_cli("incidents", "--incidents-log", str(log), *view).stdout)
+
+
+def test_the_promtail_example_tails_the_default_log_and_labels_bounded_fields() -> None:
+    """deploy/promtail-incidents.yml (Promtail is not in Debian: checked here as text): it tails
+    the daemon's default path, not the rotated copies, extracts fields the line has, and makes
+    labels only of bounded ones."""
+    import re
+
+    from kvwatch.config import Config
+    from tests.kvwatch.daemonproc import REPO
+
+    text = (REPO / "deploy" / "promtail-incidents.yml").read_text()
+    [path] = re.findall(r"__path__: (\S+)", text)
+    assert path == Config().incidents_log_path
+    expressions = dict(re.findall(r"^ {12}(\w+): (\w+)$", text, flags=re.M))
+    assert expressions and set(expressions.values()) <= set(
+        incidents_log.IncidentLine.__struct_fields__
+    )
+    labels = re.search(r"- labels:\n((?: {10}\w+:\n)+)", text)
+    assert labels is not None
+    assert set(re.findall(r"(\w+):", labels.group(1))) <= {"node", "role", "detector", "kind"}
+    assert "source: ts" in text and "format: Unix" in text
