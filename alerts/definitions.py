@@ -61,8 +61,8 @@ class RecordingRule:
 
 @dataclass(frozen=True)
 class Context:
-    """A second number an alert's description states, beside ``$value``: the increase of
-    ``counter`` over ``window`` where its ``by`` labels are the alert's, written ``{{ <name> }}``
+    """A second number an alert's description states, beside ``$value``: how much ``counter``
+    grew over ``window`` where its ``by`` labels are the alert's, written ``{{ <name> }}``
     in the description. Prometheus runs it with the ``query`` template function; Grafana runs it
     as one more query of the rule (``$values.<ref>``), summed by ``by``."""
 
@@ -72,9 +72,13 @@ class Context:
     window: str = "5m"
 
     def expr(self, selector: str = "") -> str:
-        """Summed over ``selector`` (Prometheus), or by ``by`` without one (Grafana)."""
-        increase = f"increase({self.counter}{selector}[{self.window}])"
-        return f"sum({increase})" if selector else f"sum by ({', '.join(self.by)}) ({increase})"
+        """Summed over ``selector`` (Prometheus), or by ``by`` without one (Grafana). The exact
+        difference, not ``increase()``: a count of requests must not be extrapolated (12
+        became 18 in the demo); a series younger than the window counts from its zero."""
+        by = f" by ({', '.join(self.by)})" if not selector else ""
+        total = f"sum{by} ({self.counter}{selector})"
+        before = f"sum{by} ({self.counter}{selector} offset {self.window})"
+        return f"clamp_min({total} - ({before} or {total} * 0), 0)"
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,9 @@ ALERTS: tuple[Alert, ...] = (
             "The {{ $labels.detector }} detector on "
             + _WHERE
             + ' found {{ $value | printf "%.0f" }} KV integrity mismatch(es) of kind '
-            "{{ $labels.kind }} in the last 5 minutes; {{ exposed_requests }} request(s) had "
-            "their KV exposed to another request there (kvwatch incidents --exposed names them)."
+            "{{ $labels.kind }} in the last 5 minutes. Findings there exposed the KV of "
+            "{{ exposed_requests }} request(s) (counted per finding; kvwatch incidents --exposed "
+            "names each once)."
         ),
         context=(EXPOSED_REQUESTS,),
     ),

@@ -144,7 +144,8 @@ def prometheus_template(text: str, alert: d.Alert) -> str:
     """An alert's ``{{ <context> }}`` as a ``query`` over the alert's labels (0 when none)."""
     for context in alert.context:
         args = " ".join(f"$labels.{label}" for label in context.by)
-        selector = "{" + ", ".join(f"{label}=%q" for label in context.by) + "}"
+        # Go's printf: %[n]q is the n-th argument, quoted (the selector appears twice).
+        selector = "{" + ", ".join(f"{lb}=%[{i}]q" for i, lb in enumerate(context.by, 1)) + "}"
         block = (
             f"{{{{ with printf `{context.expr(selector)}` {args} | query }}}}"
             '{{ . | first | value | printf "%.0f" }}{{ else }}0{{ end }}'
