@@ -139,6 +139,8 @@ def _log_problem(path: str) -> str | None:
     log = Path(path)
     if log.is_dir():
         return f"the incidents log {path} is a directory, not a file"
+    if log.exists() and not log.is_file():
+        return f"the incidents log {path} is not a regular file"
     files = rotated(log)
     if not files:
         return f"no incidents log at {path} (give the daemon's incidents_log path)"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,6 +49,8 @@ LOG_VERSION: Final = 1
 HIGH_WATER_KEY: Final = "incidents_log_id"
 #: Incidents written per round: a backlog drains over several polls, in bounded memory.
 DRAIN_BATCH: Final = 1000
+#: Batches written per round at most.
+DRAIN_ROUNDS: Final = 10
 #: The longest line a reader accepts (a full event's line is well under this).
 MAX_LINE_BYTES: Final = 1 << 20
 
@@ -157,37 +160,56 @@ class IncidentsLog:
         self.written = -1  # unknown until the first drain reads the journal and the log
 
     def drain(self, journal: Journal) -> int:
-        """Write the incidents committed since the last call; returns how many."""
+        """Write the incidents committed since the last call (at most ``DRAIN_ROUNDS`` batches:
+        a backlog never holds up the spool for long); returns how many."""
         journal_id = journal.meta("journal_id") or ""
         if self.written < 0:
             self.written = self._recover(journal, journal_id)
-        rows = journal.incidents(after_id=self.written, limit=DRAIN_BATCH)
-        if not rows:
-            return 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for row in rows:
-            data = _encode(from_row(row, journal_id)) + b"\n"
-            self._append(data)
-            # Each line is written whole before the mark moves past it; a crash in between is
-            # repaired from the log's last line (see _recover).
-            self.written = row["id"]
-        journal.set_meta(HIGH_WATER_KEY, str(self.written))
-        return len(rows)
+        total = 0
+        for _ in range(DRAIN_ROUNDS):
+            rows = journal.incidents(after_id=self.written, limit=DRAIN_BATCH)
+            if not rows:
+                break
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write([(row["id"], _encode(from_row(row, journal_id)) + b"\n") for row in rows])
+            journal.set_meta(HIGH_WATER_KEY, str(self.written))
+            total += len(rows)
+            if len(rows) < DRAIN_BATCH:
+                break
+        return total
 
-    def _append(self, data: bytes) -> None:
+    def _write(self, lines: list[tuple[int, bytes]]) -> None:
+        """Append ``lines`` (incident id, line), rotating before a line that would not fit. The
+        mark moves only past lines written whole; after a failed write (a full disk) the next
+        round starts over from the log itself (a torn line is cut off, see _recover)."""
         try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            size = 0
-        if size and size + len(data) > self.max_bytes:
-            self._rotate()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
+            fd = self._open()
+            try:
+                size = os.fstat(fd).st_size
+                chunk: list[bytes] = []
+                last = self.written
+                for incident, data in lines:
+                    if size and size + len(data) > self.max_bytes:
+                        _write_all(fd, b"".join(chunk))
+                        self.written, chunk = last, []
+                        os.close(fd)
+                        fd = -1
+                        self._rotate()
+                        fd, size = self._open(), 0
+                    chunk.append(data)
+                    size += len(data)
+                    last = incident
+                _write_all(fd, b"".join(chunk))
+                self.written = last
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        except OSError:
+            self.written = -1
+            raise
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
 
     def _rotate(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -225,10 +247,12 @@ def _last_line(path: Path) -> bytes | None:
     so that the next line starts on a line of its own."""
     try:
         with path.open("rb+") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None  # a pipe or device has no last line to read back
             size = handle.seek(0, os.SEEK_END)
             start = max(0, size - 2 * MAX_LINE_BYTES)
             handle.seek(start)
-            tail = handle.read()
+            tail = handle.read(2 * MAX_LINE_BYTES)
             end = tail.rfind(b"\n")
             if end + 1 < len(tail):
                 handle.truncate(start + end + 1)
@@ -238,6 +262,12 @@ def _last_line(path: Path) -> bytes | None:
             return tail[begin:end]
     except FileNotFoundError:
         return None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -146,6 +146,7 @@ def test_cli_exposed_view_text_and_json(fleet: tuple[Path, Path]) -> None:
         (("--since", "5"), "--since '5': expected a duration"),
         (("--incidents-log", "{t}/none.jsonl"), "no incidents log at {t}/none.jsonl"),
         (("--incidents-log", "{t}"), "is a directory"),
+        (("--incidents-log", "/dev/zero"), "/dev/zero is not a regular file"),
     ],
 )
 def test_cli_mistakes_are_one_line(

@@ -225,3 +225,21 @@ def test_the_promtail_example_tails_the_default_log_and_labels_bounded_fields() 
     assert labels is not None
     assert set(re.findall(r"(\w+):", labels.group(1))) <= {"node", "role", "detector", "kind"}
     assert "source: ts" in text and "format: Unix" in text
+
+
+def test_a_full_disk_loses_no_line(spool: Path, journal: Journal, tmp_path: Path) -> None:
+    """A write that fails (ENOSPC, from /dev/full) moves no mark: once the disk has room, every
+    line is written, once."""
+    import errno
+
+    import pytest
+
+    _events(spool, journal, 3)
+    log = IncidentsLog("/dev/full", max_bytes=1 << 20, keep=3)
+    with pytest.raises(OSError) as failed:
+        log.drain(journal)
+    assert failed.value.errno == errno.ENOSPC
+    assert journal.meta(HIGH_WATER_KEY) is None
+    log.path = tmp_path / "incidents.jsonl"  # room again
+    assert log.drain(journal) == 3
+    assert [line["request_id"] for line in _lines(log.path)] == ["req-0", "req-1", "req-2"]
