@@ -184,6 +184,7 @@ _PRODUCER_COLUMNS: Final = (
 )
 _decode_counters: Final = msgspec.json.Decoder(list[CounterSeries]).decode
 _encode_json: Final = msgspec.json.Encoder().encode
+_decode_json: Final = msgspec.json.Decoder().decode
 
 _SEP: Final = "\x1f"  # joins label values in the counters table
 
@@ -491,12 +492,13 @@ class Journal:
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         out = []
+        names = ("id", *IncidentRow._fields)
         for row in self.db.execute(sql, args):
-            item: dict[str, Any] = IncidentRow(*row[1:])._asdict()
+            item: dict[str, Any] = dict(zip(names, row, strict=True))
             item["time"] = item.pop("ts")
-            item["pages"] = json.loads(item["pages"])
-            item["detail"] = json.loads(item["detail"])
-            item["id"] = row[0]
+            item["pages"] = _decode_json(item["pages"])
+            item["detail"] = _decode_json(item["detail"])
+            item["id"] = item.pop("id")  # after the record's fields, as before ids were shown
             item["sources"] = []
             out.append(item)
         if out and self.schema == SCHEMA_VERSION:
