@@ -135,6 +135,12 @@ class Daemon:
         self.incidents_log = log_path and IncidentsLog(
             log_path, max_bytes=config.incidents_log_max_bytes, keep=config.incidents_log_keep
         )
+        if self.incidents_log:
+            # Where the log stands, before the first poll stores incidents (ids may be reused).
+            try:
+                self.incidents_log.recover(self.journal)
+            except (OSError, sqlite3.Error) as exc:
+                self.log.error("incidents_log.recover_failed", path=log_path, error=_reason(exc))
         self.nvml = Nvml(config.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KvwatchCollector(self.state, self.nvml))
@@ -258,8 +264,6 @@ class Daemon:
             self._failures += 1
             self.log.error("spool.poll_failed", error=str(exc), error_type=type(exc).__name__)
         self._done("spool", ok, started)
-        if self.incidents_log:
-            self._ship_incidents(self.incidents_log)
         if self.logs.watched:
             started = time.perf_counter()
             try:
@@ -290,6 +294,8 @@ class Daemon:
                 ok = False
                 self.log.error("journal.prune_failed", error=str(exc))
             self._done("journal", ok, started)
+        if self.incidents_log:  # after a prune too, before the next poll reuses an id
+            self._ship_incidents(self.incidents_log)
         return more
 
     def _ship_incidents(self, log: IncidentsLog) -> None:

@@ -169,7 +169,14 @@ class IncidentsLog:
         a backlog never holds up the spool for long); returns how many."""
         journal_id = journal.meta("journal_id") or ""
         if self.written < 0:
-            self.written = self._recover(journal, journal_id)
+            self.recover(journal)
+        # Pruning every incident lets SQLite hand out ids from 1 again: whatever is left was
+        # written, so the mark comes down to the newest id there is (the daemon drains right
+        # after pruning, before it stores new incidents).
+        newest = int(journal.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
+        if newest < self.written:
+            self.written = newest
+            journal.set_meta(HIGH_WATER_KEY, str(newest))
         total = 0
         for _ in range(DRAIN_ROUNDS):
             rows = journal.db.execute(
@@ -231,9 +238,12 @@ class IncidentsLog:
         else:
             self.path.unlink()
 
-    def _recover(self, journal: Journal, journal_id: str) -> int:
-        """The id of the last incident in the log: the journal's mark, or further when the log
-        holds lines written after it (a crash before the mark was stored)."""
+    def recover(self, journal: Journal) -> None:
+        """Find where the log stands, before the daemon stores new incidents: the journal's
+        mark, or further when the log's last line is an incident written after it (a crash
+        before the mark was stored) that the journal still holds under that id; never above
+        the newest incident (after a prune of all of them, ids start again from 1)."""
+        journal_id = journal.meta("journal_id") or ""
         written = int(journal.meta(HIGH_WATER_KEY) or 0)
         for path in reversed(rotated(self.path)):
             last = _last_line(path)
@@ -243,10 +253,16 @@ class IncidentsLog:
                 line = _decode(last)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 break  # not ours to judge: the mark stands
-            if line.journal == journal_id:
+            same = journal.scalar(
+                "SELECT 1 FROM incidents WHERE id = ? AND producer = ? AND seq = ?",
+                (line.id, line.producer, line.seq),
+            )
+            if line.journal == journal_id and same:
                 written = max(written, line.id)
             break
-        return written
+        newest = int(journal.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
+        self.written = min(written, newest)
+        journal.set_meta(HIGH_WATER_KEY, str(self.written))
 
 
 def _last_line(path: Path) -> bytes | None:

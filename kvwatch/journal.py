@@ -134,9 +134,7 @@ CREATE TABLE IF NOT EXISTS segments (
 CREATE TABLE IF NOT EXISTS records (
     producer INTEGER NOT NULL, seq INTEGER NOT NULL, type TEXT NOT NULL, ts REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS incidents (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, {_columns(IncidentRow)}
-);
+CREATE TABLE IF NOT EXISTS incidents (id INTEGER PRIMARY KEY, {_columns(IncidentRow)});
 CREATE INDEX IF NOT EXISTS incidents_ts ON incidents (ts);
 CREATE TABLE IF NOT EXISTS exposures (id INTEGER PRIMARY KEY, {_columns(ExposureRow)});
 CREATE INDEX IF NOT EXISTS exposures_reader ON exposures (producer, seq);
@@ -158,15 +156,11 @@ _MIGRATE_1: Final = (
     "ALTER TABLE rejects ADD COLUMN producer TEXT",
     "ALTER TABLE rejects ADD COLUMN seq INTEGER",
 )
-#: Schema 2 -> 3: the sources an incident's reader was exposed to (``exposures``, and the count
-#: of the unnamed rest on the incident); incident ids never reused once pruned (AUTOINCREMENT),
-#: so that the incidents log's high-water mark stays valid.
+#: Schema 2 -> 3: the sources an incident's reader was exposed to (``exposures``, created with
+#: the schema, and the count of the unnamed rest on the incident).
 _MIGRATE_2: Final = (
-    "ALTER TABLE incidents RENAME TO incidents_v2",
-    f"CREATE TABLE incidents (id INTEGER PRIMARY KEY AUTOINCREMENT, {_columns(IncidentRow)})",
-    f"INSERT INTO incidents (id, {', '.join(IncidentRow._fields)})"
-    f" SELECT id, {', '.join(IncidentRow._fields[:-2])}, 0, 0 FROM incidents_v2",
-    "DROP TABLE incidents_v2",
+    "ALTER TABLE incidents ADD COLUMN other_sources INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE incidents ADD COLUMN other_source_pages INTEGER NOT NULL DEFAULT 0",
 )
 _MIGRATIONS: Final = {1: _MIGRATE_1, 2: _MIGRATE_2}
 _INSERT_INCIDENT: Final = _insert("incidents", IncidentRow)

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 
 from kvspool import encode_frame, encode_payload
-from kvwatch.journal import RETIRED_GRACE, Batch, IncidentRow, Journal, JournalError
+from kvwatch.incidents_log import IncidentsLog
+from kvwatch.journal import RETIRED_GRACE, IncidentRow, Journal, JournalError
 from kvwatch.spool_reader import SpoolReader
 from tests.kvwatch.spoolgen import T0, Producer
 
@@ -214,26 +216,33 @@ def test_a_schema_1_journal_is_migrated(tmp_path: Path) -> None:
     journal.close()
 
 
-def test_exposures_are_pruned_with_their_incident_and_ids_are_never_reused(
-    spool: Path, journal: Journal
+def test_exposures_are_pruned_with_their_incident_and_the_log_goes_on(
+    spool: Path, journal: Journal, tmp_path: Path
 ) -> None:
     state = journal.load()
     reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    log = IncidentsLog(tmp_path / "incidents.jsonl", max_bytes=1 << 20, keep=1)
     p = Producer(spool)
     p.append(p.hello(), p.event("a", sources=[{"request_id": "s1", "pages": 2}]))
     reader.poll()
     assert journal.scalar("SELECT count(*) FROM exposures") == 1
-    [first] = journal.incidents()
+    assert log.drain(journal) == 1
     journal.prune(state, now=time.time() + 10 * 86400, retention=86400, records_retention=86400)
     assert journal.scalar("SELECT count(*) FROM exposures") == 0
     assert journal.incidents() == []
+    restarted = IncidentsLog(log.path, max_bytes=1 << 20, keep=1)
+    restarted.recover(journal)  # a daemon that starts now (the mark was 1, the log says 1)
     p.t0 = time.time()
     p.append(p.event("b", sources=[{"request_id": "s2", "pages": 1}]))
     reader.poll()
     [second] = journal.incidents()
-    # The incidents log's high-water mark is an incident id: a pruned id must not come back.
-    assert second["id"] > first["id"]
     assert [s["request_id"] for s in second["sources"]] == ["s2"]
+    # SQLite gave the new incident the pruned one's id: the log's mark must not skip it, in this
+    # daemon or in the next.
+    assert second["id"] == 1
+    assert restarted.drain(journal) == 1
+    assert restarted.drain(journal) == 0
+    assert [json.loads(x)["request_id"] for x in log.path.read_text().splitlines()] == ["a", "b"]
 
 
 def _schema_2_journal(path: Path) -> None:
@@ -272,14 +281,4 @@ def test_a_schema_2_journal_reads_and_migrates(tmp_path: Path) -> None:
     journal = Journal(path)
     assert journal.meta("schema") == "3"
     assert journal.incidents() == [old]
-    journal.db.execute("DELETE FROM incidents")
-    journal.commit(Batch(), journal.load())
-    # Ids continue above the migrated ones even once those are gone.
-    journal.db.execute(
-        "INSERT INTO incidents (ts, node, role, engine, engine_version, model, rank, producer,"
-        " seq, request_id, detector, kind, mode, action, pages, pages_total, detail,"
-        " other_sources, other_source_pages) VALUES (2, '', '', '', '', '', 0, 'p', 3, 'x',"
-        " 'canary', 'unwritten_page', 'log', 'logged', '[]', 0, '{}', 0, 0)"
-    )
-    assert journal.scalar("SELECT max(id) FROM incidents") == 8
     journal.close()
