@@ -125,7 +125,9 @@ def _integrity(h: Health) -> Check:
     if h.lost_records:
         parts.append(f"{h.lost_records:,.0f} spool record(s) lost")
     return Check(
-        "integrity", "alarm", "INTEGRITY ALERT: " + ", ".join(parts) + "; see kvwatch incidents --exposed"
+        "integrity",
+        "alarm",
+        "INTEGRITY ALERT: " + ", ".join(parts) + "; see kvwatch incidents --exposed",
     )
 
 
