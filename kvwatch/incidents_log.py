@@ -101,9 +101,10 @@ def _real(column: str) -> str:
     return f"json(printf('%!.17g', {column}))"
 
 
-#: Each field of a line as SQL over ``incidents AS i``: SQLite writes the line (JSON1), from the
-#: columns as stored, pages and detail as the JSON they already are; a field without an
-#: expression here fails at import. The ``journal`` id is the query's one parameter.
+#: Fields of a line as SQL over ``incidents AS i``: SQLite writes the line (JSON1) from the
+#: columns as stored, pages and detail as the JSON they already are. Every other field of
+#: IncidentLine is the column of its name (one that has neither fails the first query, and the
+#: round-trip tests). The ``journal`` id is the query's parameter.
 _SOURCE_SQL: Final = {
     "request_id": "e.request_id",
     "pages": "e.pages",
@@ -144,9 +145,11 @@ def to_row(line: IncidentLine) -> dict[str, Any]:
 def rotated(path: Path) -> list[Path]:
     """``path`` and its rotated files, oldest first."""
     numbered = []
-    for candidate in path.parent.glob(path.name + ".*"):
-        suffix = candidate.name[len(path.name) + 1 :]
-        if suffix.isdigit():
+    prefix = path.name + "."
+    candidates = path.parent.iterdir() if path.parent.is_dir() else iter(())
+    for candidate in candidates:
+        suffix = candidate.name.removeprefix(prefix)
+        if candidate.name.startswith(prefix) and suffix.isdigit():
             numbered.append((int(suffix), candidate))
     files = [p for _, p in sorted(numbered, reverse=True)]
     return [*files, path] if path.exists() else files
@@ -162,7 +165,7 @@ class IncidentsLog:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.keep = keep
-        self.written = -1  # unknown until the first drain reads the journal and the log
+        self.written = -1  # unknown until recover() reads the journal and the log
 
     def drain(self, journal: Journal) -> int:
         """Write the incidents committed since the last call (at most ``DRAIN_ROUNDS`` batches:
