@@ -52,8 +52,9 @@ from kvwatch.state import State
 
 #: How often the conditions are evaluated when no spool poll wakes the pager.
 TICK: Final = 1.0
-#: The least time between two evaluations (the spool poll may wake the pager many times a second).
-MIN_SPACING: Final = 0.2
+#: The least time between two evaluations (the spool poll may wake the pager many times a second;
+#: one evaluation renders the daemon's families, about 3 ms).
+MIN_SPACING: Final = 0.5
 #: How long a resolved alert is re-sent (Prometheus's resolvedRetention).
 RESOLVED_RETENTION: Final = 15 * 60.0
 #: Batches waiting per Alertmanager; beyond it the oldest is dropped (counted).
@@ -221,6 +222,7 @@ class Pager:
         self._queues = [queue.Queue[list[dict[str, Any]] | None](QUEUE_BATCHES) for _ in self.urls]
         self._threads: list[threading.Thread] = []
         self._last_eval = 0.0
+        self._evaluating = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -301,6 +303,10 @@ class Pager:
 
     def evaluate(self, now: float) -> list[dict[str, Any]]:
         """Update every tracker from the samples at ``now``; the alerts due to be posted."""
+        with self._evaluating:
+            return self._evaluate(now)
+
+    def _evaluate(self, now: float) -> list[dict[str, Any]]:
         totals = self.totals()
         if self._baseline is None:
             self._baseline = totals
