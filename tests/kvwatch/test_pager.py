@@ -13,6 +13,7 @@ import json
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -586,3 +587,83 @@ def test_one_notification_for_the_daemon_and_the_rule_and_the_fast_one_first(
     assert 'kvwatch_alertmanager_posts_total{result="sent"} 1.0' in scraped
     assert 'kvwatch_alertmanager_posts_total{result="failed"} 1.0' in scraped
     writer.close()
+
+
+TLS = Path(__file__).parent / "tls"
+#: bcrypt (cost 4) of "kvwatch-test", for Alertmanager's web config (test-only credentials).
+BCRYPT = "$2b$04$Mksv6INlmQmCrKSCFE1viuXdcx2M6BVH52LAMKun6JjSac7h.F5RK"
+
+
+def test_posts_over_tls_with_basic_auth_to_a_real_alertmanager(tmp_path: Path) -> None:
+    """Alertmanager behind its own TLS and basic auth (``--web.config.file``): the daemon's post
+    arrives with the right password and the test CA; a wrong password is a counted failure."""
+    port = free_port()
+    web = tmp_path / "web.yml"
+    web.write_text(
+        "tls_server_config:\n"
+        f"  cert_file: {TLS / 'server.crt'}\n"
+        f"  key_file: {TLS / 'server.key'}\n"
+        "basic_auth_users:\n"
+        f"  kv: '{BCRYPT}'\n"
+    )
+    config = tmp_path / "am.yml"
+    config.write_text("route: {receiver: none}\nreceivers: [{name: none}]\n")
+    am = _start(
+        [
+            tool("prometheus-alertmanager"),
+            f"--config.file={config}",
+            f"--web.config.file={web}",
+            f"--storage.path={tmp_path / 'am-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        tmp_path / "alertmanager.log",
+    )
+    right, wrong = tmp_path / "right", tmp_path / "wrong"
+    right.write_text("kvwatch-test\n")
+    wrong.write_text("guess\n")
+    try:
+        url = f"https://127.0.0.1:{port}"
+        settings = {
+            "node": "n1",
+            "alertmanager_urls": [url],
+            "alertmanager_ca_file": str(TLS / "ca.crt"),
+            "alertmanager_username": "kv",
+        }
+        counters = Counters()
+        good = _pager(counters, **settings, alertmanager_password_file=str(right))
+        good.evaluate(0.0)
+        counters.value = 1
+        [alert] = good.evaluate(time.time())
+        deadline = time.monotonic() + 30
+        while True:  # until Alertmanager answers over TLS
+            try:
+                good.post(url, [alert])
+                break
+            except OSError:
+                assert am.poll() is None, (tmp_path / "alertmanager.log").read_text()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        bad = _pager(counters, **settings, alertmanager_password_file=str(wrong))
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            bad.post(url, [alert])
+        request = urllib.request.Request(
+            url + "/api/v2/alerts", headers={"Authorization": good._headers["Authorization"]}
+        )
+        with urllib.request.urlopen(request, timeout=10, context=good._tls) as reply:
+            held = json.load(reply)
+        assert [a["labels"] for a in held] == [alert["labels"]]
+        # Through the sender thread: the refusal is counted, not raised.
+        bad.start()
+        counters.value = 2
+        bad.wake()
+        _wait(
+            "a failed post",
+            lambda: bad.state.daemon.get(("alertmanager_posts", ("failed",))),
+            15,
+        )
+        bad.close()
+    finally:
+        am.terminate()
+        am.wait(15)
