@@ -234,9 +234,7 @@ def build() -> dash.Dashboard:
             "Share of the requests that reached a detector which it verified, per node over the "
             "time range, lowest first. A node well below the others runs a detector off or on an "
             "unsupported layout (KVDetectorVerifyingNothing).",
-            [
-                instant_table_query(f"sort(\n{_coverage('node')}\n)")
-            ],
+            [instant_table_query(f"sort(\n{_coverage('node')}\n)")],
             rename={"Value": "verified"},
             width=12,
         ).unit("percentunit")
@@ -284,9 +282,7 @@ def build() -> dash.Dashboard:
             "Coverage in the time range",
             "Share of the requests that reached a detector which it verified, per node, role and "
             "detector, over the dashboard's time range.",
-            [
-                instant_table_query(_coverage("node, role, detector"))
-            ],
+            [instant_table_query(_coverage("node, role, detector"))],
             rename={"Value": "verified"},
             width=8,
         ).unit("percentunit")
