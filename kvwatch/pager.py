@@ -13,9 +13,9 @@ Same labels, same fingerprint: Alertmanager merges the daemon's alert and Promet
 Timing mirrors Prometheus, so the two never flap against each other:
 
 - firing: sent at once, re-sent every ``alertmanager_resend`` with ``endsAt = now + 4 x resend``;
-- quiet: from ``scrape interval + 2 ticks`` before the rule can first resolve (``window`` after the
-  last increase, less one scrape) nothing is sent: a firing post after Prometheus resolved would
-  re-open the alert;
+- quiet: from ``scrape interval + 2 ticks + MAX_BATCH_AGE`` before the rule can first resolve
+  (``window`` after the last increase, less one scrape interval) nothing is sent: a firing post
+  landing after Prometheus resolved would re-open the alert (the last ``endsAt`` outlasts it);
 - resolved: ``window + scrape interval + 2 ticks`` after the last increase (after the rule's last
   firing send) it is sent with ``endsAt = now``, and re-sent with each resend for 15 minutes.
 
@@ -59,6 +59,9 @@ MIN_SPACING: Final = 0.5
 RESOLVED_RETENTION: Final = 15 * 60.0
 #: Batches waiting per Alertmanager; beyond it the oldest is dropped (counted).
 QUEUE_BATCHES: Final = 16
+#: A batch older than this is not sent (the Alertmanager stalled): a firing alert re-sent late
+#: could land after Prometheus resolved it and re-open it.
+MAX_BATCH_AGE: Final = 30.0
 #: Prometheus's endsAt for a firing alert: 4 resend delays ahead.
 ENDS_AT_RESENDS: Final = 4
 
@@ -153,6 +156,8 @@ def alert_annotations(alert: Alert, labels: dict[str, str], value: float) -> dic
 # -- the condition, per alert and label set ------------------------------------------------------
 
 FIRING, QUIET, RESOLVED = "firing", "quiet", "resolved"
+#: (time.monotonic() when queued, the alerts) for one Alertmanager.
+_Batch = tuple[float, list[dict[str, Any]]]
 
 
 @dataclass
@@ -204,7 +209,11 @@ class Pager:
         self.node = config.node_name
         self.external = dict(config.alertmanager_labels)
         self.resend = config.alertmanager_resend
-        self.guard = config.prometheus_scrape_interval + 2 * TICK
+        # The rule resolves at the first evaluation whose window holds no sample from before the
+        # last rise: not before (last rise + window - scrape interval), and its last firing send
+        # is before (last rise + window). TICK covers the pager seeing a rise late.
+        self.resolve_after = config.prometheus_scrape_interval + 2 * TICK
+        self.quiet_ahead = self.resolve_after + MAX_BATCH_AGE
         self.timeout = config.alertmanager_timeout
         self.urls = list(config.alertmanager_urls) if config.alertmanager_enabled else []
         self.alerts = fast_alerts()
@@ -219,7 +228,7 @@ class Pager:
         self._baseline: dict[tuple[str, tuple[str, ...]], float] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._queues = [queue.Queue[list[dict[str, Any]] | None](QUEUE_BATCHES) for _ in self.urls]
+        self._queues = [queue.Queue[_Batch | None](QUEUE_BATCHES) for _ in self.urls]
         self._threads: list[threading.Thread] = []
         self._last_eval = 0.0
         self._evaluating = threading.Lock()
@@ -282,7 +291,7 @@ class Pager:
                 continue
             if batch:
                 for batches in self._queues:
-                    if _put_dropping_oldest(batches, batch):
+                    if _put_dropping_oldest(batches, (time.monotonic(), batch)):
                         self._count("dropped")
 
     def totals(self) -> dict[tuple[str, tuple[str, ...]], float]:
@@ -349,7 +358,7 @@ class Pager:
                 tracker.phase, tracker.starts_at, tracker.last_sent = FIRING, now, now
                 self.log.warning("pager.firing", **tracker.labels)
                 return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend)
-            if now < tracker.last_rise + window - self.guard:
+            if now < tracker.last_rise + window - self.quiet_ahead:
                 if tracker.phase == QUIET:  # a new rise moved the end of the window
                     tracker.phase, tracker.last_sent = FIRING, 0.0
                 if now >= tracker.last_sent + self.resend:
@@ -359,7 +368,7 @@ class Pager:
                 tracker.phase = QUIET
             return None
         if tracker.phase in (FIRING, QUIET):
-            if now >= tracker.last_rise + window + self.guard:
+            if now >= tracker.last_rise + window + self.resolve_after:
                 tracker.phase, tracker.resolved_at, tracker.last_sent = RESOLVED, now, now
                 self.log.info("pager.resolved", **tracker.labels)
                 return self._payload(tracker, now)
@@ -381,11 +390,15 @@ class Pager:
 
     # -- sending ------------------------------------------------------------------------------
 
-    def _send_loop(self, url: str, batches: queue.Queue[list[dict[str, Any]] | None]) -> None:
+    def _send_loop(self, url: str, batches: queue.Queue[_Batch | None]) -> None:
         while True:
-            batch = batches.get()
-            if batch is None or self._stop.is_set():
+            item = batches.get()
+            if item is None or self._stop.is_set():
                 return
+            queued, batch = item
+            if time.monotonic() - queued > MAX_BATCH_AGE:
+                self._count("dropped")
+                continue
             try:
                 self.post(url, batch)
             except (OSError, ValueError) as exc:  # URLError and timeouts are OSErrors

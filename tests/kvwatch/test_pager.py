@@ -30,6 +30,7 @@ from kvwatch import config as configuration
 from kvwatch import pager as pager_module
 from kvwatch.pager import (
     ENDS_AT_RESENDS,
+    MAX_BATCH_AGE,
     TICK,
     Pager,
     alert_annotations,
@@ -209,17 +210,25 @@ def test_fire_resend_quiet_resolve_like_prometheus() -> None:
     [again] = pager.evaluate(1062.0)
     assert again["startsAt"] == firing["startsAt"]
     assert again["endsAt"] == "1970-01-01T00:21:42.000Z"
-    # The rule can resolve from window - scrape interval after the last rise: quiet from then.
-    guard = 15 + 2 * TICK
-    assert pager.evaluate(1002 + 300 - guard - 1) != []  # a resend still due (1062 + 60 < ...)
-    assert pager.evaluate(1002 + 300 - guard + 0.5) == []  # quiet
-    assert pager.evaluate(1002 + 300 + guard - 1) == []  # still quiet: the rule may still fire
-    [resolved] = pager.evaluate(1002 + 300 + guard)
-    assert resolved["endsAt"] == pager_module._rfc3339(1002 + 300 + guard)
+    # The rule can resolve from (window - scrape interval) after the last rise: the resends stop
+    # well before (a late one would re-open a resolved alert), the last endsAt outlasting it.
+    after = 15 + 2 * TICK
+    ahead = after + MAX_BATCH_AGE
+    last = 0.0
+    for t in (1122.0, 1182.0, 1242.0):
+        [resent] = pager.evaluate(t)
+        last = t
+    assert last < 1002 + 300 - ahead <= last + 60
+    assert pager.evaluate(1302.0) == []  # quiet: a resend would be due
+    assert resent["endsAt"] == pager_module._rfc3339(last + 4 * 60)
+    assert last + 4 * 60 > 1002 + 300 + after  # alive in Alertmanager until resolved
+    assert pager.evaluate(1002 + 300 + after - 1) == []  # still quiet: the rule may still fire
+    [resolved] = pager.evaluate(1002 + 300 + after)
+    assert resolved["endsAt"] == pager_module._rfc3339(1002 + 300 + after)
     assert "found 2 KV" in resolved["annotations"]["description"]  # the last value, kept
-    assert pager.evaluate(1002 + 300 + guard + 30) == []
-    assert pager.evaluate(1002 + 300 + guard + 60) == [resolved]  # resolved is re-sent
-    assert pager.evaluate(1002 + 300 + guard + 16 * 60) == []  # ... for 15 minutes
+    assert pager.evaluate(1002 + 300 + after + 30) == []
+    assert pager.evaluate(1002 + 300 + after + 60) == [resolved]  # resolved is re-sent
+    assert pager.evaluate(1002 + 300 + after + 16 * 60) == []  # ... for 15 minutes
     assert pager.trackers == {}
 
 
@@ -351,6 +360,16 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
         while len(received) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert [path for path, _ in received] == ["/api/v2/alerts"] * 2
+        # A batch that waited longer than MAX_BATCH_AGE is not sent (it could re-open an alert
+        # Prometheus resolved meanwhile), only counted.
+        stale = (time.monotonic() - MAX_BATCH_AGE - 1, received[0][1])
+        pager._queues[0].put(stale)
+        _wait(
+            "the stale batch dropped",
+            lambda: state.daemon.get(("alertmanager_posts", ("dropped",))),
+            10,
+        )
+        assert len(received) == 2
         assert received[0][1][0]["labels"]["alertname"] == "KVIntegrityMismatch"
         # The stalled server holds its sender; more batches than the queue holds pile up.
         for i in range(pager_module.QUEUE_BATCHES + 5):
@@ -360,7 +379,7 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
             batch = pager.evaluate(time.time())
             assert batch
             for batches in pager._queues:
-                if pager_module._put_dropping_oldest(batches, batch):
+                if pager_module._put_dropping_oldest(batches, (time.monotonic(), batch)):
                     pager._count("dropped")
     finally:
         release.set()
