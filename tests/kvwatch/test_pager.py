@@ -160,10 +160,16 @@ def test_templates_render_like_prometheus_and_refuse_the_unknown() -> None:
 
 
 class Counters:
-    """The daemon's mismatch counter as /metrics would serve it, set by the test."""
+    """The daemon's mismatch counter as /metrics would serve it, set by the test as a counters
+    record read from the spool would set it."""
 
     def __init__(self) -> None:
         self.value = 0.0
+        self.state = State()
+
+    def set(self, value: float) -> None:
+        self.value = value
+        self.state.daemon[("spool_records", ())] += 1
 
     def collect(self) -> list[Metric]:
         family = CounterMetricFamily(
@@ -182,7 +188,7 @@ def _pager(counters: Counters, **settings: object) -> Pager:
             **settings,
         }
     )
-    return Pager(config, State(), counters.collect)
+    return Pager(config, counters.state, counters.collect)
 
 
 def test_fire_resend_quiet_resolve_like_prometheus() -> None:
@@ -190,7 +196,7 @@ def test_fire_resend_quiet_resolve_like_prometheus() -> None:
     pager = _pager(counters)
     assert pager.evaluate(1000.0) == []  # the baseline: no increase yet
     assert pager.evaluate(1001.0) == []
-    counters.value = 2
+    counters.set(2)
     [firing] = pager.evaluate(1002.0)
     assert firing["labels"] == {
         "alertname": "KVIntegrityMismatch",
@@ -236,14 +242,14 @@ def test_a_new_rise_while_quiet_fires_again_and_a_reset_counts() -> None:
     counters = Counters()
     pager = _pager(counters)
     pager.evaluate(0.0)
-    counters.value = 1
+    counters.set(1)
     assert len(pager.evaluate(10.0)) == 1
     assert pager.evaluate(300.0) == []  # quiet
-    counters.value = 2
+    counters.set(2)
     [firing] = pager.evaluate(301.0)  # a new rise inside the quiet phase: asserted at once
     assert firing["startsAt"] == pager_module._rfc3339(10.0)  # the same episode
     assert "found 2 KV" in firing["annotations"]["description"]
-    counters.value = 1  # the counter was reset (a producer restarted): 1 new mismatch
+    counters.set(1)  # the counter was reset (a producer restarted): 1 new mismatch
     for tracker in pager.trackers.values():
         tracker.last_sent = 0.0  # make the next resend due
     [resent] = pager.evaluate(303.0)  # 0 -> 1 -> 2 -> 1 is an increase of 3, as in PromQL
@@ -254,16 +260,38 @@ def test_a_new_rise_while_quiet_fires_again_and_a_reset_counts() -> None:
 
 def test_a_daemon_restart_is_no_increase() -> None:
     counters = Counters()
-    counters.value = 5  # the journal already holds 5 mismatches
+    counters.set(5)  # the journal already holds 5 mismatches
     pager = _pager(counters)
     assert pager.evaluate(0.0) == [] and pager.evaluate(1.0) == []
+
+
+def test_without_a_new_record_nothing_is_rendered() -> None:
+    """The alerts' counters move only when the reader applies a record: until one arrives (and
+    while nothing fires) an evaluation does not render the families."""
+    counters = Counters()
+    calls = []
+
+    def source() -> list[Metric]:
+        calls.append(1)
+        return counters.collect()
+
+    pager = Pager(
+        configuration.from_mapping({"alertmanager_urls": ["http://a:1"]}), counters.state, source
+    )
+    pager.evaluate(0.0)
+    pager.evaluate(1.0)
+    assert len(calls) == 1  # the baseline only
+    counters.set(1)
+    assert len(pager.evaluate(2.0)) == 1 and len(calls) == 2
+    pager.evaluate(3.0)
+    assert len(calls) == 3  # firing: every evaluation looks
 
 
 def test_ends_at_covers_four_resends() -> None:
     counters = Counters()
     pager = _pager(counters, alertmanager_resend="30s")
     pager.evaluate(0.0)
-    counters.value = 1
+    counters.set(1)
     [firing] = pager.evaluate(1.0)
     assert firing["endsAt"] == pager_module._rfc3339(1.0 + ENDS_AT_RESENDS * 30)
 
@@ -339,7 +367,7 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
     for server in (live, stalled):
         threading.Thread(target=server.serve_forever, daemon=True).start()
     counters = Counters()
-    state = State()
+    state = counters.state
     config = configuration.from_mapping(
         {
             "node": "n1",
@@ -354,7 +382,7 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
     pager = Pager(config, state, counters.collect)
     pager.start()
     try:
-        counters.value = 1
+        counters.set(1)
         pager.wake()
         deadline = time.monotonic() + 10
         while len(received) < 2 and time.monotonic() < deadline:
@@ -373,7 +401,7 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
         assert received[0][1][0]["labels"]["alertname"] == "KVIntegrityMismatch"
         # The stalled server holds its sender; more batches than the queue holds pile up.
         for i in range(pager_module.QUEUE_BATCHES + 5):
-            counters.value = 2 + i
+            counters.set(2 + i)
             for tracker in pager.trackers.values():
                 tracker.last_sent = 0.0  # due again at once
             batch = pager.evaluate(time.time())
@@ -652,7 +680,7 @@ def test_posts_over_tls_with_basic_auth_to_a_real_alertmanager(tmp_path: Path) -
         counters = Counters()
         good = _pager(counters, **settings, alertmanager_password_file=str(right))
         good.evaluate(0.0)
-        counters.value = 1
+        counters.set(1)
         [alert] = good.evaluate(time.time())
         deadline = time.monotonic() + 30
         while True:  # until Alertmanager answers over TLS
@@ -675,7 +703,7 @@ def test_posts_over_tls_with_basic_auth_to_a_real_alertmanager(tmp_path: Path) -
         assert [a["labels"] for a in held] == [alert["labels"]]
         # Through the sender thread: the refusal is counted, not raised.
         bad.start()
-        counters.value = 2
+        counters.set(2)
         bad.wake()
         _wait(
             "a failed post",
