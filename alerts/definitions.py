@@ -7,6 +7,7 @@ itself (:mod:`kvwatch.pager`), and the wheel ships ``kvwatch`` but not this fold
 from kvwatch.rules import (
     ALERTS,
     ALERTS_GROUP,
+    BELOW_FLOOR_PD,
     BELOW_FLOOR_RELEASE_RE,
     JOB_SELECTOR,
     PD_RELEASE_ENGINES,
@@ -15,6 +16,7 @@ from kvwatch.rules import (
     RULES_GROUP,
     RUNBOOK_BASE,
     SEVERITIES,
+    VULNERABLE_PD,
     VULNERABLE_RELEASE_RE,
     Alert,
     Increase,
@@ -24,6 +26,7 @@ from kvwatch.rules import (
 __all__ = [
     "ALERTS",
     "ALERTS_GROUP",
+    "BELOW_FLOOR_PD",
     "BELOW_FLOOR_RELEASE_RE",
     "JOB_SELECTOR",
     "PD_RELEASE_ENGINES",
@@ -32,6 +35,7 @@ __all__ = [
     "RULES_GROUP",
     "RUNBOOK_BASE",
     "SEVERITIES",
+    "VULNERABLE_PD",
     "VULNERABLE_RELEASE_RE",
     "Alert",
     "Increase",

@@ -121,6 +121,11 @@ class Alert:
         }
 
 
+VULNERABLE_PD = "kvwatch:engine_info:vulnerable_pd"
+"""The recording rule: engine processes on a vulnerable release in PD mode (dashboards too)."""
+BELOW_FLOOR_PD = "kvwatch:engine_info:below_floor_pd"
+"""The recording rule: engine processes on a release below the recommended floor in PD mode."""
+
 RULES_GROUP = "kvwatch.rules"
 ALERTS_GROUP = "kvwatch.alerts"
 
@@ -168,7 +173,7 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         ),
     ),
     RecordingRule(
-        "kvwatch:engine_info:vulnerable_pd",
+        VULNERABLE_PD,
         _q(
             f"""
             {exposed("engine_info")}{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{VULNERABLE_RELEASE_RE}`}}
@@ -176,7 +181,7 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         ),
     ),
     RecordingRule(
-        "kvwatch:engine_info:below_floor_pd",
+        BELOW_FLOOR_PD,
         _q(
             f"""
             {exposed("engine_info")}{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{BELOW_FLOOR_RELEASE_RE}`}}
@@ -260,8 +265,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVEngineReleaseVulnerable",
         severity="critical",
         expr=_q(
-            """
-            count by (node, role, engine, model, version) (kvwatch:engine_info:vulnerable_pd) > 0
+            f"""
+            count by (node, role, engine, model, version) ({VULNERABLE_PD}) > 0
             """
         ),
         summary="An engine release that leaks unwritten KV pages in PD mode is serving "
@@ -277,8 +282,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVEngineReleaseBelowFloor",
         severity="info",
         expr=_q(
-            """
-            count by (node, role, engine, model, version) (kvwatch:engine_info:below_floor_pd) > 0
+            f"""
+            count by (node, role, engine, model, version) ({BELOW_FLOOR_PD}) > 0
             """
         ),
         summary="An engine release below the recommended floor 0.5.22 is serving disaggregated "
