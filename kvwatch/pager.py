@@ -370,7 +370,7 @@ class Pager:
         if tracker.rises:
             if tracker.phase in ("", RESOLVED):
                 tracker.phase, tracker.starts_at, tracker.last_sent = FIRING, now, now
-                self.log.warning("pager.firing", **tracker.labels)
+                self.log.warning("pager.firing", alert=tracker.alert.name, labels=tracker.labels)
                 return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend)
             if now < tracker.last_rise + window - self.quiet_ahead:
                 if tracker.phase == QUIET:  # a new rise moved the end of the window
@@ -384,7 +384,7 @@ class Pager:
         if tracker.phase in (FIRING, QUIET):
             if now >= tracker.last_rise + window + self.resolve_after:
                 tracker.phase, tracker.resolved_at, tracker.last_sent = RESOLVED, now, now
-                self.log.info("pager.resolved", **tracker.labels)
+                self.log.info("pager.resolved", alert=tracker.alert.name, labels=tracker.labels)
                 return self._payload(tracker, now)
             return None
         if tracker.phase == RESOLVED and now >= tracker.last_sent + self.resend:

@@ -258,6 +258,16 @@ def test_a_new_rise_while_quiet_fires_again_and_a_reset_counts() -> None:
     assert "found 2 KV" in resent["annotations"]["description"]
 
 
+def test_labels_named_like_log_fields_are_posted() -> None:
+    """``event`` or ``level`` are valid label names; the firing log line must not choke on them."""
+    counters = Counters()
+    pager = _pager(counters, alertmanager_labels={"event": "e", "level": "l", "timestamp": "t"})
+    pager.evaluate(0.0)
+    counters.set(1)
+    [firing] = pager.evaluate(1.0)
+    assert firing["labels"]["event"] == "e" and firing["labels"]["level"] == "l"
+
+
 def test_a_daemon_restart_is_no_increase() -> None:
     counters = Counters()
     counters.set(5)  # the journal already holds 5 mismatches
