@@ -67,6 +67,7 @@ class PageState(Protocol):
     def claim(self, pages: Ints, owner: int, now: float) -> None: ...
     def sources(self, pages: Ints) -> tuple[list[int], list[float]]: ...
     def scrub(self, pages: Ints) -> None: ...
+    def scrub_tail(self, page: int, used: int) -> None: ...
     def stale(self, pages: Ints, expected: Ints) -> Mask: ...
     def set_free(self, pages: Ints, free: bool) -> Mask: ...
     def was_free(self, pages: Ints) -> Mask: ...
@@ -80,6 +81,12 @@ def page_state(pool: PagedKVPool) -> PageState:
 
 def _ms(now: float) -> int:
     return int(now * 1000)
+
+
+def _tail_starts(pool: PagedKVPool, used: int) -> list[int]:
+    """Per buffer, the byte where a page's token rows after the first ``used`` begin (a page is
+    ``page_size`` equal rows in every buffer, token-major, in both layouts)."""
+    return [width // pool.page_size * used for width in pool.layer_page_bytes]
 
 
 def _kernels_available(device: torch.device) -> bool:
@@ -173,6 +180,11 @@ class DevicePages:
             for view in self.pool.page_views:
                 view.index_fill_(0, index, 0)
         self.written[index] = 0
+
+    def scrub_tail(self, page: int, used: int) -> None:
+        """Zero the tail of one page after its first ``used`` token rows, in every buffer."""
+        for view, start in zip(self.pool.page_views, _tail_starts(self.pool, used), strict=True):
+            view[page, start:].zero_()
 
     def stale(self, pages: Ints, expected: Ints) -> torch.Tensor:
         index, want = torch.as_tensor(pages), torch.as_tensor(expected)
@@ -320,6 +332,10 @@ class HostPages:
             rows[ids] = 0
         for p in ids.tolist():
             self.written[p] = 0
+
+    def scrub_tail(self, page: int, used: int) -> None:
+        for rows, start in zip(self.page_rows, _tail_starts(self.pool, used), strict=True):
+            rows[page, start:] = 0
 
     def stale(self, pages: Ints, expected: Ints) -> Mask:
         if isinstance(pages, torch.Tensor):  # a whole decode batch: vectorised
