@@ -282,8 +282,9 @@ def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int, ro
 
 def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: int) -> None:
     """The hooks' scrub (``PageState.scrub``: scattered pages, every buffer; on a GPU one
-    Triton launch) against a plain memset, ``zero_()`` of a contiguous run of the same number
-    of pages in every buffer, interleaved rounds; bytes per second, best round of each."""
+    Triton launch) against a plain memset: ``zero_()`` of a contiguous run of as many pages in
+    every buffer (the bandwidth floor), and ``zero_()`` of the same pages one at a time;
+    interleaved rounds, bytes per second, best round of each."""
     import torch
 
     from engine_hooks import PagedKVPool
@@ -314,10 +315,15 @@ def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: in
         for view in pool.page_views:
             view[at : at + batch].zero_()
 
-    best = {"scrub": 0.0, "memset": 0.0}
+    def per_page(i: int) -> None:  # the same pages, one zero_() each
+        for view in pool.page_views:
+            for page in runs[i % len(runs)]:
+                view[page].zero_()
+
+    best = {"scrub": 0.0, "memset": 0.0, "per_page": 0.0}
     nbytes = batch * pool.page_bytes
     for _ in range(rounds):
-        for name, fn in (("scrub", scrub), ("memset", memset)):
+        for name, fn in (("scrub", scrub), ("memset", memset), ("per_page", per_page)):
             fn(0)  # warm (a first launch compiles the kernel)
             sync()
             reps = 20
@@ -332,9 +338,10 @@ def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: in
     print(
         f"scrub of {batch} scattered pages ({nbytes / 2**20:.1f} MiB, {2 * layers} buffers, "
         f"{device}, {how}): "
-        f"{best['scrub'] / 1e9:.2f} GB/s; memset of as many pages (zero_(), contiguous): "
-        f"{best['memset'] / 1e9:.2f} GB/s; ratio {best['scrub'] / best['memset']:.2f}x "
-        f"(best of {rounds} interleaved rounds)"
+        f"{best['scrub'] / 1e9:.2f} GB/s; memset of as many contiguous pages (zero_()): "
+        f"{best['memset'] / 1e9:.2f} GB/s, ratio {best['scrub'] / best['memset']:.2f}x; "
+        f"zero_() of the same pages one by one: {best['per_page'] / 1e9:.2f} GB/s, ratio "
+        f"{best['scrub'] / best['per_page']:.2f}x (best of {rounds} interleaved rounds)"
     )
 
 
@@ -363,6 +370,15 @@ def scrub_throughput(args: argparse.Namespace, items: list[tuple[str, int]]) -> 
                 f"{m} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
             )
         print(f"{label:<44}" + "   ".join(cells))
+    # Wall ratios swing by 10-30% on a shared machine; the scrub's own cost is the extra time
+    # inside the hooks (which do the scrub) per generated token, against off's CPU per token.
+    base_hooks = statistics.median(r.hook_us_per_token for r in runs["off"])
+    base_cpu = statistics.median(r.cpu_us_per_token for r in runs["off"])
+    cells = []
+    for m in modes[1:]:
+        extra = statistics.median(r.hook_us_per_token for r in runs[m]) - base_hooks
+        cells.append(f"{m} {extra:+.2f} us ({100 * extra / base_cpu:+.3f}% of off's CPU)")
+    print(f"{'time inside hooks per token vs scrub off':<44}" + "   ".join(cells))
 
 
 def main() -> int:
