@@ -1,8 +1,8 @@
 """The incident, with the other side named: minipd as 0.5.19, sixteen users plant codes, the
 over-length prompt reads their stale pages and leaks some codes; kvwatch's events name the
 requests whose KV the reader held, checked against minipd's own record of page ownership.
-With scrub on (on_free, on_reserve) the essay's marker check leaks nothing and the detectors
-still fire."""
+With scrub on (on_free, on_reserve) the incident's marker check (docs/incident.md) leaks
+nothing and the detectors still fire."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_0_5_19_events_name_the_exposed_requests_and_no_other(tmp_path: Path) ->
 def test_0_5_19_scrub_leaks_nothing_and_detectors_still_fire(tmp_path: Path, scrub: str) -> None:
     args = ["--release", "0.5.19", *POOLS, "--kvwatch-scrub", scrub]
     with MiniPD(args, tmp_path, kvwatch="log") as pd:
-        status, prompt_tokens, leaked, _ = run_check(pd, tmp_path)  # the essay's script
+        status, prompt_tokens, leaked, _ = run_check(pd, tmp_path)  # the marker check as printed
         reader = long_request_id(pd)
         truth = ground_truth(pd, reader)
         spool = pd.read_spool()
