@@ -125,6 +125,14 @@ class DevicePages:
     def bump(self, pages: Ints, owner: int = UNKNOWN, now: float = 0.0) -> None:
         """A new generation for each page (distinct pages), given to ``owner``."""
         index = torch.as_tensor(pages)
+        if self.kernels:  # one launch instead of a dozen: this runs as decode grows
+            from engine_hooks.kernels import bump
+
+            bump(
+                self.generation, self.written, self.holders, self._on_device(index), owner,
+                _ms(now),
+            )  # fmt: skip
+            return
         rows = self.holders.index_select(0, index)
         written = self.written.index_select(0, index)
         last = (written != 0) & (written == rows[:, PREVIOUS, GEN])  # its write was the last

@@ -432,3 +432,9 @@ def test_the_last_writer_is_remembered_through_unwritten_reuses(pair: Pair) -> N
         (verdict, *_) = pair.decode.verify_admit(ticket, None)
         assert named(verdict) == {"writer": 1}, i
         pair.free("decode", dst)
+
+
+def test_a_peers_malformed_residue_is_dropped_not_raised() -> None:
+    wire = {"page_count": 1, "digest": 7, "residue": [["a", "i"], "junk", [1], ["b", ""]]}
+    assert Seal.from_wire(wire).residue == (("a", "i"), ("b", ""))
+    assert Seal.from_wire({"page_count": 1, "digest": 7, "residue": None}).residue == ()
