@@ -1,5 +1,6 @@
-"""Triton kernels for the page checks on an accelerator: the seal, the page-tag compare and the
-canary stamps, each one launch over every page of a call.
+"""Triton kernels for the page checks on an accelerator: the seal, the page-tag compare, the
+canary stamps, the holder rotation of an allocation and the scrub's zero fill, each one launch
+over every page of a call.
 
 The seal reads each byte of the sealed pages once, straight from the page table: program ``k``
 takes one chunk of one page of one buffer (buffers outer, pages in page-table order, the order
