@@ -383,16 +383,7 @@ def scrub_throughput(args: argparse.Namespace, items: list[tuple[str, int]]) -> 
             )
     print(f"\nscrub, --kvwatch log, per-round ratio to scrub off, median (range) of "
           f"{args.scrub_rounds} rounds")  # fmt: skip
-    for label, attr in (("generated tokens/s (wall)", "tokens_per_s"),
-                        ("CPU us per generated token", "cpu_us_per_token")):  # fmt: skip
-        cells = []
-        for m in modes[1:]:
-            pairs = zip(runs[m], runs["off"], strict=True)
-            ratios = [getattr(r, attr) / getattr(o, attr) for r, o in pairs]
-            cells.append(
-                f"{m} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
-            )
-        print(f"{label:<44}" + "   ".join(cells))
+    print_round_ratios(runs, modes[1:])
     # Wall ratios swing by 10-30% on a shared machine; the scrub's own cost is the extra time
     # inside the hooks (which do the scrub) per generated token, against off's CPU per token.
     base_hooks = statistics.median(r.hook_us_per_token for r in runs["off"])
@@ -488,17 +479,22 @@ def main() -> int:
     print(f"{'per-step hooks, host us per running request':<44}{per_request}")
     # Ratios paired within a round (the same minutes of a shared machine), then the median.
     print(f"\nper-round ratio to off, median (range) of {args.rounds} rounds")
+    print_round_ratios(runs, MODES[1:])
+    return 0
+
+
+def print_round_ratios(runs: dict[str, list[Run]], modes: tuple[str, ...]) -> None:
+    """Each mode's ratio to ``off`` paired within a round, median (range) over the rounds."""
     for label, attr in (("generated tokens/s (wall)", "tokens_per_s"),
                         ("CPU us per generated token", "cpu_us_per_token")):  # fmt: skip
         cells = []
-        for m in MODES[1:]:
+        for m in modes:
             pairs = zip(runs[m], runs["off"], strict=True)
             ratios = [getattr(r, attr) / getattr(o, attr) for r, o in pairs]
             cells.append(
                 f"{m} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
             )
         print(f"{label:<44}" + "   ".join(cells))
-    return 0
 
 
 if __name__ == "__main__":
