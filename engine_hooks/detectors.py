@@ -22,8 +22,11 @@ from engine_hooks.checksum import adler32
 from engine_hooks.pagestate import Ints, Mask, PageState
 from engine_hooks.pool import PagedKVPool, PageIds
 from kvspool.catalogue import DETECTOR, KIND, SKIP_REASON, unsafe_band
+from kvspool.records import Source
 
 _MODE_OFF = SKIP_REASON.check("mode_off")
+# Requests a seal may name as the residue of its last page (one, but a peer's list is capped).
+_MAX_RESIDUE = 16
 
 #: (request id, page count) per consecutive run of a check's pages, or a callable giving them.
 Owners = list[tuple[str, int]] | Callable[[], list[tuple[str, int]]]
@@ -50,6 +53,13 @@ class Verdict:
     detail: dict[str, int | str] = field(default_factory=dict)
     #: The request instance (one admission of ``request_id``), minted by the hooks; "" if none.
     instance: str = ""
+    #: Whose data the failing pages held (the requests that last wrote them, never the reader
+    #: itself), most pages first, at most ``MAX_EVENT_SOURCES``; the rest counted in
+    #: ``other_sources`` and ``other_source_pages``. Filled by :class:`KVWatch` when it reports
+    #: a finding of one of :data:`EXPOSING_KINDS` (once per instance, detector and kind).
+    sources: tuple[Source, ...] = ()
+    other_sources: int = 0
+    other_source_pages: int = 0
 
     @property
     def blocks(self) -> bool:
@@ -69,22 +79,35 @@ class Seal:
     page_count: int
     digest: int
     pages: tuple[int, ...] = ()
+    #: Requests (id, instance) whose KV may remain in the unwritten tail of the last sealed
+    #: page: its previous holder, when the writer wrote fewer tokens than its pages hold. A
+    #: reader that reads past the sealed pages reads that tail too (it is named as a source).
+    residue: tuple[tuple[str, str], ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"page_count": self.page_count, "digest": self.digest}
         if self.pages:
             wire["pages"] = list(self.pages)
+        if self.residue:
+            wire["residue"] = [list(r) for r in self.residue]
         return wire
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> Seal:
         pages = tuple(int(d) for d in data.get("pages") or ())
-        return cls(int(data["page_count"]), int(data["digest"]), pages)
+        # A peer's residue names requests only: malformed entries are dropped, at most 16 kept.
+        residue = tuple(
+            (str(r[0])[:128], str(r[1])[:128])
+            for r in (data.get("residue") or ())[:_MAX_RESIDUE]
+            if isinstance(r, list | tuple) and len(r) == 2
+        )
+        return cls(int(data["page_count"]), int(data["digest"]), pages, residue)
 
     def run(self, start: int, count: int) -> Seal:
         """The per-page seal of ``count`` pages from ``start`` (fewer when it has fewer)."""
         pages = self.pages[start : start + count]
-        return Seal(len(pages), page_digests_digest(pages), pages)
+        residue = self.residue if start + count >= self.page_count else ()
+        return Seal(len(pages), page_digests_digest(pages), pages, residue)
 
 
 def page_digests_digest(pages: Sequence[int]) -> int:
@@ -316,6 +339,19 @@ class TransferChecksum(Detector):
                 request_id, self.DIGEST, ids, sealed_digest=seal.digest, read_digest=digest
             )
         return self.clean(request_id)
+
+
+#: The mismatch kinds in which the reader was given pages it did not write, so the pages' data
+#: may be other requests' (their sources are named).
+EXPOSING_KINDS = frozenset(
+    {
+        Canary.UNWRITTEN_PAGE,
+        Canary.WRITE_TO_FREE_PAGE,
+        PageTags.STALE_TAG,
+        TransferChecksum.DIGEST,
+        TransferChecksum.PAGE_COUNT,
+    }
+)
 
 
 class Admission(Detector):

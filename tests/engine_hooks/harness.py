@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine_hooks import KVWatch, Mode, PagedKVPool, Seal, Ticket, Verdict, canary
+from engine_hooks import KVWatch, Mode, PagedKVPool, Scrub, Seal, Ticket, Verdict, canary
 from engine_hooks.pagestate import DevicePages, HostPages
 from engine_hooks.pool import Layout
 
@@ -64,12 +64,33 @@ def backends_agree(dtype: torch.dtype, kind: str, *, kernel: bool, ops: int) -> 
     rng = random.Random(3)
     for _ in range(ops):
         pages = rng.sample(range(32), rng.randint(1, 12))  # both sides of _BATCH_PAGES
-        op = rng.choice(["bump", "stamp", "intact", "free", "own", "stale", "scribble"])
+        op = rng.choice(
+            ["bump", "stamp", "intact", "free", "own", "stale", "scribble", "claim", "sources",
+             "scrub", "tag", "tail"]
+        )  # fmt: skip
         h, d = host.index(pages), device.index(pages)
         purpose = rng.choice(list(canary.Purpose))
+        owner, now = rng.randint(-1, 5), rng.randint(0, 10**6) / 8
         if op == "bump":
-            host.bump(h)
-            device.bump(d)
+            host.bump(h, owner, now)
+            device.bump(d, owner, now)
+        elif op == "claim":
+            host.claim(h, owner, now)
+            device.claim(d, owner, now)
+        elif op == "sources":
+            assert host.sources(h) == device.sources(d)
+        elif op == "scrub":
+            host.scrub(h)
+            device.scrub(d)
+        elif op == "tail":
+            used = rng.randint(0, PAGE_SIZE)
+            host.scrub_tail(pages[0], used)
+            device.scrub_tail(pages[0], used)
+        elif op == "tag":  # a remote writer's tags: now, one generation back, or stale
+            for pool, state in ((host_pool, host), (device_pool, device)):
+                gens = as_list(state.generations(state.index(pages)))
+                tags = [max(0, int(g) - p % 3) for p, g in zip(pages, gens, strict=True)]  # type: ignore[call-overload]
+                pool.mark_written(pages, tags)
         elif op == "stamp":
             host.stamp(h, host.generations(h), purpose)
             device.stamp(d, device.generations(d), purpose)
@@ -81,20 +102,26 @@ def backends_agree(dtype: torch.dtype, kind: str, *, kernel: bool, ops: int) -> 
             flag = rng.random() < 0.5
             assert host.set_free(h, flag) == as_list(device.set_free(d, flag))
         elif op == "own":
-            host.own_writes(h)
-            device.own_writes(d)
+            host.own_writes(h, now)
+            device.own_writes(d, now)
         elif op == "stale":
             expected = [rng.randint(0, 3) for _ in pages]
             assert host.stale(h, expected) == as_list(device.stale(d, torch.tensor(expected)))
-        else:  # a write into the pages' stamp area, the same on both pools
+        else:  # a write into the pages' stamp area and ends, the same on both pools
             for pool in (host_pool, device_pool):
                 for p in pages:
-                    pool.page(p)[0][:4] = p % 7
+                    for view in pool.page(p):
+                        view[:4] = p % 7
+                        view[-3:] = p % 5 + 1
         assert host.generations(list(range(32))) == as_list(
             device.generations(device.index(list(range(32))))
         )
-    assert torch.equal(host_pool.page_views[0], device_pool.page_views[0])
+    for host_view, device_view in zip(host_pool.page_views, device_pool.page_views, strict=True):
+        assert torch.equal(host_view, device_view)
     assert torch.equal(host_pool.tag_store, device_pool.tag_store)
+    assert torch.equal(host.holders_t, device.holders.cpu())
+    everything = list(range(32))
+    assert host.sources(everything) == device.sources(device.index(everything))
 
 
 @dataclass
@@ -106,6 +133,9 @@ class Pair:
     decode_free: list[int]
     prefill_free: list[int]
     rng: random.Random = field(default_factory=lambda: random.Random(7))
+    #: The test's own record: the request whose KV each decode page holds (the ground truth
+    #: for the hooks' sources), kept where the pair writes pages.
+    holder: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -115,12 +145,18 @@ class Pair:
         pages: int = 64,
         mode: Mode | str | Mapping[str, Mode | str] = Mode.LOG,
         spool: Path | None = None,
+        scrub: Scrub | str = Scrub.OFF,
     ) -> Pair:
-        d = KVWatch(
-            make_pool(kind, dtype, pages), role="decode", engine="minipd", mode=mode, spool=spool
-        )
-        p = KVWatch(
-            make_pool(kind, dtype, pages), role="prefill", engine="minipd", mode=mode, spool=spool
+        d, p = (
+            KVWatch(
+                make_pool(kind, dtype, pages),
+                role=role,
+                engine="minipd",
+                mode=mode,
+                spool=spool,
+                scrub=scrub,
+            )
+            for role in ("decode", "prefill")
         )
         pair = cls(d, p, list(range(pages)), list(range(pages)))
         d.on_free(pair.decode_free)
@@ -169,9 +205,47 @@ class Pair:
             for sv, dv in zip(self.ppool.page(s), self.dpool.page(d), strict=True):
                 dv.copy_(sv)
         self.dpool.mark_written(dst[:count], ticket.tags[:count])
+        self.holder.update(dict.fromkeys(dst[:count], rid))
         seal = self.prefill.seal(rid, src)
         self.free("prefill", src)
         return src, seal
+
+    def take(self, pages: Sequence[int], rid: str) -> Ticket:
+        """Decode hands these free pages to ``rid``: allocated and reserved (not written)."""
+        for page in pages:
+            self.decode_free.remove(page)
+        assert self.decode.on_alloc(pages, rid) == []
+        ticket = self.decode.on_reserve(rid, pages)
+        assert ticket is not None
+        return ticket
+
+    def reuse(self, pages: Sequence[int], rid: str) -> Ticket:
+        """Pages freed by one request, taken by ``rid`` and written for it, cleanly."""
+        self.free("decode", pages)
+        ticket = self.take(pages, rid)
+        _, seal = self.prefill_write(rid, pages, ticket)
+        assert self.decode.verify_admit(ticket, seal) == []
+        return ticket
+
+    def late_write(self, rid: str, pages: Sequence[int], tags: Sequence[int]) -> None:
+        """A transfer of ``rid``'s lands late in decode's pages, with the tags it was given."""
+        fill(self.dpool, pages, self.rng)
+        self.dpool.mark_written(pages, tags)
+        self.holder.update(dict.fromkeys(pages, rid))
+
+    def exposed(self, pages: Sequence[int], reader: str) -> dict[str, int]:
+        """The ground truth: other requests whose KV these pages hold, pages each."""
+        out: dict[str, int] = {}
+        for page in pages:
+            rid = self.holder.get(page)
+            if rid is not None and rid != reader:
+                out[rid] = out.get(rid, 0) + 1
+        return out
+
+    def holds_data(self, page: int) -> bool:
+        """Whether the decode page holds any nonzero byte past the canary stamp."""
+        first, *rest = self.dpool.page(page)
+        return bool(first[canary.STAMP_BYTES :].any()) or any(bool(v.any()) for v in rest)
 
     def clean_request(self, rid: str, count: int) -> tuple[list[int], Ticket, list[Verdict]]:
         dst, ticket = self.reserve(rid, count)
