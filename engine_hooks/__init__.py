@@ -5,7 +5,8 @@ Public API:
 - :func:`adler32`, :func:`adler32_combine`: zlib-exact Adler-32 over bytes and tensors.
 - :class:`PagedKVPool`: an engine's KV pool as per-layer tensors grouped into pages.
 - :class:`KVWatch`: the detectors wired to the engine's hook points; :class:`Mode`,
-  :class:`Verdict`, :class:`Seal`, :class:`Ticket`, :class:`PoolReport`.
+  :class:`Verdict`, :class:`Seal`, :class:`Ticket`, :class:`PoolReport`; :class:`Scrub`, when
+  pages are zeroed.
 - :class:`SpoolWriter`: the never-blocking, never-raising record writer.
 
 This package never imports the daemon (``kvwatch``); the wire format lives in ``kvspool``.
@@ -15,7 +16,7 @@ from engine_hooks.checksum import adler32, adler32_combine, adler32_torch
 from engine_hooks.detectors import Mode, PoolReport, Seal, Verdict
 from engine_hooks.pool import Layout, PagedKVPool
 from engine_hooks.spool import DEFAULT_SPOOL_DIR, SpoolWriter
-from engine_hooks.watch import KVWatch, Ticket
+from engine_hooks.watch import KVWatch, Scrub, Ticket
 
 __all__ = [
     "DEFAULT_SPOOL_DIR",
@@ -24,6 +25,7 @@ __all__ = [
     "Mode",
     "PagedKVPool",
     "PoolReport",
+    "Scrub",
     "Seal",
     "SpoolWriter",
     "Ticket",

@@ -22,6 +22,7 @@ from engine_hooks.checksum import adler32
 from engine_hooks.pagestate import Ints, Mask, PageState
 from engine_hooks.pool import PagedKVPool, PageIds
 from kvspool.catalogue import DETECTOR, KIND, SKIP_REASON, unsafe_band
+from kvspool.records import Source
 
 _MODE_OFF = SKIP_REASON.check("mode_off")
 
@@ -50,6 +51,13 @@ class Verdict:
     detail: dict[str, int | str] = field(default_factory=dict)
     #: The request instance (one admission of ``request_id``), minted by the hooks; "" if none.
     instance: str = ""
+    #: Whose data the failing pages held (the requests that last wrote them, never the reader
+    #: itself), most pages first, at most ``MAX_EVENT_SOURCES``; the rest counted in
+    #: ``other_sources`` and ``other_source_pages``. Filled by :class:`KVWatch` when it reports
+    #: a finding of one of :data:`EXPOSING_KINDS` (once per instance, detector and kind).
+    sources: tuple[Source, ...] = ()
+    other_sources: int = 0
+    other_source_pages: int = 0
 
     @property
     def blocks(self) -> bool:
@@ -316,6 +324,19 @@ class TransferChecksum(Detector):
                 request_id, self.DIGEST, ids, sealed_digest=seal.digest, read_digest=digest
             )
         return self.clean(request_id)
+
+
+#: The mismatch kinds in which the reader was given pages it did not write, so the pages' data
+#: may be other requests' (their sources are named).
+EXPOSING_KINDS = frozenset(
+    {
+        Canary.UNWRITTEN_PAGE,
+        Canary.WRITE_TO_FREE_PAGE,
+        PageTags.STALE_TAG,
+        TransferChecksum.DIGEST,
+        TransferChecksum.PAGE_COUNT,
+    }
+)
 
 
 class Admission(Detector):

@@ -107,6 +107,33 @@ if triton is not None:
         tl.store(partials + 2 * pid + 1, (w % MOD + s * after) % MOD)
 
     @triton.jit
+    def _scrub_kernel(
+        anchor,  # uint8 pointer, as the seal's
+        offsets,  # int64 [buffers]: buffer start - anchor
+        widths,  # int64 [buffers]: bytes of one page in the buffer
+        pages,  # int64 [num_pages]
+        num_pages,
+        chunks,  # programs per (buffer, page)
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,
+    ) -> None:
+        pid = tl.program_id(0).to(tl.int64)
+        item = pid // chunks
+        lo = (pid % chunks) * CHUNK
+        buf = item // num_pages
+        page = tl.load(pages + item % num_pages)
+        width = tl.load(widths + buf)
+        n = tl.maximum(tl.minimum(width - lo, CHUNK), 0)
+        dst = anchor + tl.load(offsets + buf) + page * width + lo
+        if ALIGNED:
+            dst = tl.multiple_of(dst, 16)
+        idx = tl.arange(0, BLOCK)
+        zero = tl.zeros((BLOCK,), dtype=tl.uint8)
+        for start in range(0, CHUNK, BLOCK):
+            tl.store(dst + start + idx, zero, mask=start + idx < n)
+
+    @triton.jit
     def _tags_kernel(
         generation, written, pages, expected, stale, count, BLOCK: tl.constexpr
     ) -> None:
@@ -159,8 +186,10 @@ if triton is not None:
             tl.store(out + i, same, mask=mask)
 
 
-class SealKernel:
-    """The seal of one pool: the per-buffer tables live on the device, built once."""
+class PageTables:
+    """Where a pool's pages lie, as tables on the device built once: every buffer as a byte
+    offset from the lowest one (the anchor), its page width, and the bytes of one page in the
+    buffers before it. One launch can then reach every buffer of the pool."""
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         device = buffers[0].device
@@ -176,6 +205,10 @@ class SealKernel:
         self.page_bytes = sum(widths)
         self.buffers = len(buffers)
         self.aligned = all(p % 16 == 0 for p in pointers) and all(w % 16 == 0 for w in widths)
+
+
+class SealKernel(PageTables):
+    """The seal of one pool."""
 
     def partials(self, pages: torch.Tensor) -> torch.Tensor:
         """The ``[programs, 2]`` partials of the pages, in page-table order."""
@@ -213,6 +246,24 @@ class SealKernel:
     def __call__(self, pages: torch.Tensor, value: int = 1) -> int:
         # The one device-to-host transfer of a seal: 4 bytes.
         return int(self.digest(pages, value).to(torch.int32).item()) & 0xFFFFFFFF
+
+
+def scrub(tables: PageTables, pages: torch.Tensor) -> None:
+    """Zero every byte of these pages (int64, on the device) in every buffer of the pool: one
+    launch, no sync (the scrub mode's fill)."""
+    if pages.numel():
+        programs = tables.buffers * pages.numel() * tables.chunks
+        _scrub_kernel[(programs,)](
+            tables.anchor,
+            tables.offsets,
+            tables.widths,
+            pages,
+            pages.numel(),
+            tables.chunks,
+            CHUNK=SEAL_CHUNK,
+            BLOCK=SEAL_BLOCK,
+            ALIGNED=tables.aligned,
+        )
 
 
 def stale_tags(

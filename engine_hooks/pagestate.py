@@ -10,12 +10,25 @@ tens of microseconds, and these hooks sit on the engine's per-token path. Both i
 State per physical page: ``generation`` (bumped on every allocation), ``written`` (the
 generation the page was last written for: the pool's ``tag_store``), ``free`` (it carries a
 free stamp), and the canary stamp in the first bytes of the page.
+
+Whose data a page holds (the blast radius of a stale read) follows from the tags: the page
+holds the KV of whoever owned the generation it was last written for. Beside the tags each page
+keeps three *holder* slots, each a (request key, generation, time) triple: ``CURRENT`` for the
+page's generation now, ``PREVIOUS`` for the one before (a late write for it can still land),
+and ``WRITER`` for the last generation known to have been written before those. An allocation
+rotates them (``bump``): the previous holder becomes the writer if the page's tag says its
+write was the last one, the current becomes the previous. Request keys are small integers
+(the hooks map them to request ids in a bounded table); no token ids, no content. ``sources``
+reads a page's holder: ``NOBODY`` for a page never written since start-up or scrubbed (its
+tag is 0), ``UNKNOWN`` where the writer's generation is older than the three slots remember
+or its owner was not named.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -24,8 +37,20 @@ from engine_hooks import canary
 from engine_hooks.checksum import tensor_buffer
 from engine_hooks.pool import PagedKVPool, PageIds
 
+if TYPE_CHECKING:
+    from engine_hooks.kernels import PageTables
+
 # From this many pages on, the host backend computes canary stamps as arrays.
 _BATCH_PAGES = 8
+
+#: The holder slots of a page (see the module docstring), and the fields of a slot: request
+#: key, generation, time in Unix milliseconds (one int64 array of ``[pages, slots, fields]``).
+CURRENT, PREVIOUS, WRITER = 0, 1, 2
+KEY, GEN, AT_MS = 0, 1, 2
+_SLOTS = _FIELDS = 3
+#: Request keys: a page whose data is nobody's (zeros: never written, or scrubbed), and one
+#: whose writer the hooks cannot name.
+NOBODY, UNKNOWN = 0, -1
 
 #: Page ids or generations: a list of ints on the host backend, an int64 tensor on the device.
 Ints = list[int] | torch.Tensor
@@ -36,9 +61,12 @@ Mask = list[bool] | torch.Tensor
 class PageState(Protocol):
     def index(self, pages: PageIds) -> Ints: ...
     def concat(self, parts: Sequence[Ints]) -> Ints: ...
-    def bump(self, pages: Ints) -> None: ...
+    def bump(self, pages: Ints, owner: int = UNKNOWN, now: float = 0.0) -> None: ...
     def generations(self, pages: Ints) -> Ints: ...
-    def own_writes(self, pages: Ints) -> None: ...
+    def own_writes(self, pages: Ints, now: float | None = None) -> None: ...
+    def claim(self, pages: Ints, owner: int, now: float) -> None: ...
+    def sources(self, pages: Ints) -> tuple[list[int], list[float]]: ...
+    def scrub(self, pages: Ints) -> None: ...
     def stale(self, pages: Ints, expected: Ints) -> Mask: ...
     def set_free(self, pages: Ints, free: bool) -> Mask: ...
     def was_free(self, pages: Ints) -> Mask: ...
@@ -48,6 +76,10 @@ class PageState(Protocol):
 
 def page_state(pool: PagedKVPool) -> PageState:
     return HostPages(pool) if pool.is_cpu else DevicePages(pool)
+
+
+def _ms(now: float) -> int:
+    return int(now * 1000)
 
 
 def _kernels_available(device: torch.device) -> bool:
@@ -65,10 +97,12 @@ class DevicePages:
         self.generation = torch.zeros(n, dtype=torch.int64, device=device)
         self.written = pool.tag_store
         self.free = torch.zeros(n, dtype=torch.bool, device=device)
+        self.holders = torch.zeros((n, _SLOTS, _FIELDS), dtype=torch.int64, device=device)
         self.stamp_area = pool.page_views[0][:, : canary.STAMP_BYTES]
         self._one = torch.ones(1, dtype=torch.int64, device=device)
         # The batched checks as one Triton launch each where triton runs on this device.
         self.kernels = kernel if kernel is not None else _kernels_available(device)
+        self._tables: PageTables | None = None
 
     def index(self, pages: PageIds) -> torch.Tensor:
         return self.pool.as_index(pages)
@@ -81,16 +115,64 @@ class DevicePages:
     def concat(self, parts: Sequence[Ints]) -> torch.Tensor:
         return torch.cat([torch.as_tensor(p, device=self.pool.device) for p in parts])
 
-    def bump(self, pages: Ints) -> None:
+    def bump(self, pages: Ints, owner: int = UNKNOWN, now: float = 0.0) -> None:
+        """A new generation for each page (distinct pages), given to ``owner``."""
         index = torch.as_tensor(pages)
+        rows = self.holders.index_select(0, index)
+        written = self.written.index_select(0, index)
+        last = (written != 0) & (written == rows[:, PREVIOUS, GEN])  # its write was the last
+        new = torch.empty_like(rows)
+        new[:, WRITER] = torch.where(last.unsqueeze(1), rows[:, PREVIOUS], rows[:, WRITER])
+        new[:, PREVIOUS] = rows[:, CURRENT]
         self.generation.index_add_(0, index, self._one.expand(index.numel()))
+        new[:, CURRENT, KEY] = owner
+        new[:, CURRENT, GEN] = self.generation.index_select(0, index)
+        new[:, CURRENT, AT_MS] = _ms(now)
+        self.holders.index_copy_(0, index, new)
 
     def generations(self, pages: Ints) -> torch.Tensor:
         return self.generation.index_select(0, torch.as_tensor(pages))
 
-    def own_writes(self, pages: Ints) -> None:
+    def own_writes(self, pages: Ints, now: float | None = None) -> None:
         index = torch.as_tensor(pages)
         self.written[index] = self.generation.index_select(0, index)
+        self.holders[index, CURRENT, AT_MS] = _ms(time.time() if now is None else now)
+
+    def claim(self, pages: Ints, owner: int, now: float) -> None:
+        """The pages' current generation belongs to ``owner`` (a request key)."""
+        index = torch.as_tensor(pages)
+        self.holders[index, CURRENT, KEY] = owner
+        self.holders[index, CURRENT, AT_MS] = _ms(now)
+
+    def sources(self, pages: Ints) -> tuple[list[int], list[float]]:
+        """Per page, the key of the request whose data it holds and when (read on the host:
+        call only where the engine synchronises)."""
+        index = torch.as_tensor(pages)
+        rows = self.holders.index_select(0, index)
+        written = self.written.index_select(0, index)
+        match = rows[:, :, GEN] == written.unsqueeze(1)
+        found = match.any(dim=1) & (written != 0)
+        slot = match.to(torch.int8).argmax(dim=1, keepdim=True)
+        key = rows[:, :, KEY].gather(1, slot).squeeze(1)
+        at = rows[:, :, AT_MS].gather(1, slot).squeeze(1)
+        key = torch.where(found, key, torch.where(written == 0, NOBODY, UNKNOWN))
+        at = torch.where(found, at, 0)
+        return key.tolist(), [ms / 1000 for ms in at.tolist()]
+
+    def scrub(self, pages: Ints) -> None:
+        """Zero every byte of the pages in every buffer and mark them never written: one
+        launch where the kernels run, else one fill per buffer; no sync either way."""
+        index = torch.as_tensor(pages)
+        if self.kernels:
+            from engine_hooks.kernels import PageTables, scrub
+
+            if self._tables is None:
+                self._tables = PageTables(self.pool.page_views)
+            scrub(self._tables, self._on_device(index))
+        else:
+            for view in self.pool.page_views:
+                view.index_fill_(0, index, 0)
+        self.written[index] = 0
 
     def stale(self, pages: Ints, expected: Ints) -> torch.Tensor:
         index, want = torch.as_tensor(pages), torch.as_tensor(expected)
@@ -157,8 +239,11 @@ class HostPages:
         self.generation = tensor_buffer(self.generation_t).cast("q")
         self.written = tensor_buffer(pool.tag_store).cast("q")
         self.free = bytearray(pool.num_pages)
+        self.holders_t = torch.zeros((pool.num_pages, _SLOTS, _FIELDS), dtype=torch.int64)
+        self.holders = tensor_buffer(self.holders_t).cast("q")
         self.stamp_view = tensor_buffer(pool.page_views[0])
         self.stamp_rows = pool.page_views[0].numpy()  # the same bytes, for batches of pages
+        self.page_rows = [view.numpy() for view in pool.page_views]
         self.width = pool.layer_page_bytes[0]
         self.kv_dtype = pool.kv_dtype
 
@@ -177,16 +262,64 @@ class HostPages:
     def _ints(values: Ints) -> list[int]:
         return values.tolist() if isinstance(values, torch.Tensor) else values
 
-    def bump(self, pages: Ints) -> None:
+    def bump(self, pages: Ints, owner: int = UNKNOWN, now: float = 0.0) -> None:
+        gen, written, h, at = self.generation, self.written, self.holders, _ms(now)
+        size = _SLOTS * _FIELDS
+        current, previous, writer = CURRENT * _FIELDS, PREVIOUS * _FIELDS, WRITER * _FIELDS
         for p in self._ints(pages):
-            self.generation[p] += 1
+            base = p * size
+            w = written[p]
+            if w and w == h[base + previous + GEN]:  # the previous holder's write was the last
+                h[base + writer : base + writer + _FIELDS] = h[
+                    base + previous : base + previous + _FIELDS
+                ]
+            h[base + previous : base + previous + _FIELDS] = h[
+                base + current : base + current + _FIELDS
+            ]
+            gen[p] += 1
+            h[base + current + KEY] = owner
+            h[base + current + GEN] = gen[p]
+            h[base + current + AT_MS] = at
 
     def generations(self, pages: Ints) -> list[int]:
         return [self.generation[p] for p in self._ints(pages)]
 
-    def own_writes(self, pages: Ints) -> None:
+    def own_writes(self, pages: Ints, now: float | None = None) -> None:
+        at = _ms(time.time() if now is None else now)
+        h, stride = self.holders, _SLOTS * _FIELDS
         for p in self._ints(pages):
             self.written[p] = self.generation[p]
+            h[p * stride + CURRENT * _FIELDS + AT_MS] = at
+
+    def claim(self, pages: Ints, owner: int, now: float) -> None:
+        at, h, stride = _ms(now), self.holders, _SLOTS * _FIELDS
+        for p in self._ints(pages):
+            h[p * stride + CURRENT * _FIELDS + KEY] = owner
+            h[p * stride + CURRENT * _FIELDS + AT_MS] = at
+
+    def sources(self, pages: Ints) -> tuple[list[int], list[float]]:
+        h, stride = self.holders, _SLOTS * _FIELDS
+        keys: list[int] = []
+        times: list[float] = []
+        for p in self._ints(pages):
+            w = self.written[p]
+            key, at = (NOBODY if w == 0 else UNKNOWN), 0.0
+            if w:
+                for slot in (CURRENT, PREVIOUS, WRITER):
+                    base = p * stride + slot * _FIELDS
+                    if h[base + GEN] == w:
+                        key, at = h[base + KEY], h[base + AT_MS] / 1000
+                        break
+            keys.append(key)
+            times.append(at)
+        return keys, times
+
+    def scrub(self, pages: Ints) -> None:
+        ids = np.asarray(self._ints(pages), dtype=np.int64)
+        for rows in self.page_rows:
+            rows[ids] = 0
+        for p in ids.tolist():
+            self.written[p] = 0
 
     def stale(self, pages: Ints, expected: Ints) -> Mask:
         if isinstance(pages, torch.Tensor):  # a whole decode batch: vectorised

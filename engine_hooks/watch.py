@@ -19,7 +19,32 @@ engine sync point         ``resolve()``                               deferred d
 
 Every method returns at once, never raises (a failure inside is counted under
 ``hook_errors{hook}`` and the detector's skip reason ``hook_error``), and on an accelerator never
-synchronises except in ``seal`` and ``verify_admit``, which run where engines already do.
+synchronises except in ``seal``, ``verify_admit`` and ``resolve``, which run where engines
+already do.
+
+Blast radius (whose KV a reader was exposed to). The hooks keep, per physical page, which
+request holds each of its recent generations and which last wrote it (see
+:mod:`engine_hooks.pagestate`: request keys beside the page tags, no content). They learn it
+from the calls above, with no new call needed: ``on_alloc(pages, request_id)`` and
+``on_reserve(rid, pages, instance)`` say who owns a page's new generation; a write is known by
+its tag (``mark_written`` by a remote writer with the reader's ticket tags, ``extend`` and
+``PageState.own_writes`` for the engine's own writes, ``seal(rid, pages)`` for the writer's
+pages). When a finding of one of :data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported,
+its :class:`Verdict` carries ``sources`` (:class:`kvspool.records.Source`: request id,
+instance, pages, ``written_at``), most pages first, at most ``MAX_EVENT_SOURCES``, plus
+``other_sources`` and ``other_source_pages``; the spool event carries the same fields. A page
+never written since start-up, or scrubbed, has no source; the reader is never its own source;
+pages whose writer the hooks cannot name are counted in the event's
+``detail["unattributed_pages"]``. Look-ups run only when a finding is reported (at a sync
+point on an accelerator); the per-token path only writes device arrays.
+
+Scrub (``KVWatch(..., scrub=Scrub.ON_FREE | Scrub.ON_RESERVE)``, independent of the detector
+modes): pages are zeroed in every buffer, and their tags reset to "never written", when they
+return to the free list (``on_free``) or when decode reserves them for a remote write
+(``on_reserve``); the canary stamps are written after the scrub, so detection works as without
+it. A read of a page nobody wrote for the reader then reads zeros, not another request's KV.
+On an accelerator it is one fill launch, no sync. See docs/scrub.md for what each choice
+covers and costs.
 """
 
 from __future__ import annotations
@@ -34,6 +59,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -42,6 +68,7 @@ import torch
 
 from engine_hooks.canary import Purpose
 from engine_hooks.detectors import (
+    EXPOSING_KINDS,
     Admission,
     Canary,
     Finding,
@@ -54,11 +81,12 @@ from engine_hooks.detectors import (
     Verdict,
 )
 from engine_hooks.guard import never_raise
-from engine_hooks.pagestate import Ints, page_state
+from engine_hooks.pagestate import NOBODY, UNKNOWN, Ints, page_state
 from engine_hooks.pool import PagedKVPool, PageIds
 from engine_hooks.spool import SpoolWriter
 from kvspool import schema
 from kvspool.catalogue import DETECTOR, HOOK, HOOKED_DETECTORS, SKIP_REASON
+from kvspool.records import Source
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -76,6 +104,57 @@ HOOKS: set[str] = {_FLUSH}
 _REMEMBERED_REPORTS = 4096
 # From this many pages on, a host-memory batch check is cheaper as tensor ops than in Python.
 _VECTOR_PAGES = 96
+
+
+# Requests remembered as page holders (see RequestKeys): a page whose holder was forgotten
+# has an unattributed source.
+_REQUEST_KEYS = 1 << 16
+
+
+class Scrub(StrEnum):
+    """When the hooks overwrite pages with zeros (independent of the detectors' modes)."""
+
+    OFF = "off"
+    ON_FREE = "on_free"  # when pages return to the free list
+    ON_RESERVE = "on_reserve"  # when decode reserves pages for a remote write
+
+
+class RequestKeys:
+    """Request instances as small integer keys for the per-page holder record (no content).
+
+    Keys count up from 1 and are never reused; the table keeps the ``limit`` most recently
+    used, so a page whose holder was forgotten is unattributed, never misattributed."""
+
+    def __init__(self, limit: int = _REQUEST_KEYS) -> None:
+        self.limit = limit
+        self._next = 1
+        self._by_key: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        self._by_request: dict[tuple[str, str], int] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def key(self, request_id: str, instance: str = "") -> int:
+        """The key of a request instance (``UNKNOWN`` for an anonymous one)."""
+        if not request_id and not instance:
+            return UNKNOWN
+        ident = (request_id[:128], instance[:128])
+        key = self._by_request.get(ident)
+        if key is not None and key in self._by_key:
+            self._by_key.move_to_end(key)
+            return key
+        key, self._next = self._next, self._next + 1
+        self._by_key[key] = ident
+        self._by_request[ident] = key
+        while len(self._by_key) > self.limit:
+            old, old_ident = self._by_key.popitem(last=False)
+            if self._by_request.get(old_ident) == old:
+                del self._by_request[old_ident]
+        return key
+
+    def get(self, key: int) -> tuple[str, str] | None:
+        """(request id, instance) of a key, or None if forgotten or not a request's."""
+        return self._by_key.get(key)
 
 
 # Request instances: a random per-process prefix and a counter (unique without coordination).
@@ -243,10 +322,13 @@ class KVWatch:
         mode: Mode | str | Mapping[str, Mode | str] = Mode.LOG,
         spool: SpoolWriter | str | Path | None = None,
         flush_interval: float = 1.0,
+        scrub: Scrub | str = Scrub.OFF,
     ) -> None:
         self.pool = pool
         self.role = role
         self.modes = _modes(mode)
+        self.scrub = Scrub(scrub)
+        self.requests = RequestKeys()
         self.stats = Stats()
         if isinstance(spool, str | Path):
             spool = SpoolWriter(
@@ -302,8 +384,9 @@ class KVWatch:
         return self.pool_report
 
     @_hook("alloc", list)
-    def on_alloc(self, pages: PageIds, request_id: str = "") -> list[Verdict]:
-        """Pages leave the free list: check free canaries, bump generations."""
+    def on_alloc(self, pages: PageIds, request_id: str = "", instance: str = "") -> list[Verdict]:
+        """Pages leave the free list: check free canaries, bump generations (given to
+        ``request_id``, when the engine knows it here)."""
         if self.state is None or self.canary is None:
             return []
         index = self.state.index(pages)
@@ -313,7 +396,7 @@ class KVWatch:
             findings.append(self.canary.check_free(request_id, index, gens))
             self.stats.verified(Canary.name)
         self.state.set_free(index, False)
-        self.state.bump(index)
+        self.state.bump(index, self.requests.key(request_id, instance), time.time())
         return self._settle(findings)
 
     @_hook("free", list)
@@ -324,6 +407,8 @@ class KVWatch:
         index = self.state.index(pages)
         double_free = self.tags.freed(index, request_id)
         findings = [double_free] if self.tags.active() else []
+        if self.scrub is Scrub.ON_FREE:
+            self.state.scrub(index)  # before the stamp: the stamp must survive it
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, self.state.generations(index), Purpose.FREE)
         return self._settle(findings)
@@ -336,9 +421,13 @@ class KVWatch:
             return None
         index = self.state.index(pages)
         tags = self.state.generations(index)
+        instance = instance or new_instance()
+        self.state.claim(index, self.requests.key(request_id, instance), time.time())
+        if self.scrub is Scrub.ON_RESERVE:
+            self.state.scrub(index)  # before the stamp: the stamp must survive it
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, tags, Purpose.RESERVED)
-        return Ticket(request_id, index, tags, instance or new_instance())
+        return Ticket(request_id, index, tags, instance)
 
     @_hook("reserve", lambda: None)
     def extend(self, ticket: Ticket, pages: PageIds) -> None:
@@ -347,7 +436,9 @@ class KVWatch:
         if self.state is None:
             return
         index = self.state.index(pages)
-        self.state.own_writes(index)
+        now = time.time()
+        self.state.claim(index, self.requests.key(ticket.request_id, ticket.instance), now)
+        self.state.own_writes(index, now)
         gens = self.state.generations(index)
         if isinstance(ticket.pages, list) and isinstance(ticket.tags, list):
             # Host lists grow in place (a copy per decode page is O(pages)); nothing else
@@ -361,9 +452,15 @@ class KVWatch:
 
     @_hook("seal", lambda: None)
     def seal(self, request_id: str, pages: PageIds) -> Seal | None:
-        """The writer's seal over the pages it sent (prefill, after the KV is computed)."""
+        """The writer's seal over the pages it sent (prefill, after the KV is computed): also
+        records that ``request_id`` wrote them (for the blast radius, in any checksum mode)."""
         if self.checksum is None:
             return None
+        if self.state is not None:
+            index = self.state.index(pages)
+            now = time.time()
+            self.state.claim(index, self.requests.key(request_id), now)
+            self.state.own_writes(index, now)
         if not self.checksum.active():
             return None
         return self.checksum.seal(pages)
@@ -473,6 +570,7 @@ class KVWatch:
             self._reported[key] = None
             if len(self._reported) > _REMEMBERED_REPORTS:
                 self._reported.popitem(last=False)
+        verdict = self._expose(verdict)
         self.stats.mismatch(verdict.detector, verdict.kind or "other")
         if self.spool is not None:
             record: dict[str, Any] = {
@@ -487,8 +585,51 @@ class KVWatch:
             }
             if verdict.instance:
                 record["instance"] = verdict.instance[:128]
+            if verdict.kind in EXPOSING_KINDS:
+                record["sources"] = [_source_record(s) for s in verdict.sources]
+                record["other_sources"] = verdict.other_sources
+                record["other_source_pages"] = verdict.other_source_pages
             self.spool.write(schema.EVENT, record)
         return verdict
+
+    def _expose(self, verdict: Verdict) -> Verdict:
+        """The verdict with the requests whose data its pages held (see the module docstring)."""
+        if self.state is None or verdict.kind not in EXPOSING_KINDS or not verdict.pages:
+            return verdict
+        keys, times = self.state.sources(self.state.index(verdict.pages))
+        held: dict[tuple[str, str], list[float]] = {}
+        unattributed = 0
+        for key, at in zip(keys, times, strict=True):
+            if key == NOBODY:
+                continue
+            ident = self.requests.get(key) if key != UNKNOWN else None
+            if ident is None:
+                unattributed += 1
+            elif not _is_reader(ident, verdict):
+                entry = held.setdefault(ident, [0, 0.0])
+                entry[0] += 1
+                entry[1] = max(entry[1], at)
+        ranked = sorted(held.items(), key=lambda item: (-item[1][0], item[0]))
+        top, rest = ranked[: schema.MAX_EVENT_SOURCES], ranked[schema.MAX_EVENT_SOURCES :]
+        sources = tuple(
+            Source(
+                request_id=rid,
+                pages=int(count),
+                instance=instance or None,
+                written_at=max(0.0, at),
+            )
+            for (rid, instance), (count, at) in top
+        )
+        detail = verdict.detail
+        if unattributed:
+            detail = {**detail, "unattributed_pages": unattributed}
+        return replace(
+            verdict,
+            sources=sources,
+            other_sources=len(rest),
+            other_source_pages=int(sum(count for _, (count, _) in rest)),
+            detail=detail,
+        )
 
     def counter_series(self) -> list[list[Any]]:
         series: list[list[Any]] = []
@@ -540,6 +681,26 @@ class KVWatch:
         self.flush()
         if self.spool is not None:
             self.spool.close()
+
+
+def _is_reader(ident: tuple[str, str], verdict: Verdict) -> bool:
+    """Whether a page holder is the verdict's reader: the same instance where both have one
+    (a request id may be reused), else the same request id."""
+    request_id, instance = ident
+    if instance and verdict.instance:
+        return instance == verdict.instance[:128]
+    return request_id == verdict.request_id[:128]
+
+
+def _source_record(source: Source) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "request_id": source.request_id,
+        "pages": source.pages,
+        "written_at": source.written_at,
+    }
+    if source.instance:
+        record["instance"] = source.instance
+    return record
 
 
 def _close_ref(ref: weakref.ref[KVWatch]) -> None:

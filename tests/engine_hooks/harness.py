@@ -64,12 +64,29 @@ def backends_agree(dtype: torch.dtype, kind: str, *, kernel: bool, ops: int) -> 
     rng = random.Random(3)
     for _ in range(ops):
         pages = rng.sample(range(32), rng.randint(1, 12))  # both sides of _BATCH_PAGES
-        op = rng.choice(["bump", "stamp", "intact", "free", "own", "stale", "scribble"])
+        op = rng.choice(
+            ["bump", "stamp", "intact", "free", "own", "stale", "scribble", "claim", "sources",
+             "scrub", "tag"]
+        )  # fmt: skip
         h, d = host.index(pages), device.index(pages)
         purpose = rng.choice(list(canary.Purpose))
+        owner, now = rng.randint(-1, 5), rng.randint(0, 10**6) / 8
         if op == "bump":
-            host.bump(h)
-            device.bump(d)
+            host.bump(h, owner, now)
+            device.bump(d, owner, now)
+        elif op == "claim":
+            host.claim(h, owner, now)
+            device.claim(d, owner, now)
+        elif op == "sources":
+            assert host.sources(h) == device.sources(d)
+        elif op == "scrub":
+            host.scrub(h)
+            device.scrub(d)
+        elif op == "tag":  # a remote writer's tags: now, one generation back, or stale
+            for pool, state in ((host_pool, host), (device_pool, device)):
+                gens = as_list(state.generations(state.index(pages)))
+                tags = [max(0, int(g) - p % 3) for p, g in zip(pages, gens, strict=True)]  # type: ignore[call-overload]
+                pool.mark_written(pages, tags)
         elif op == "stamp":
             host.stamp(h, host.generations(h), purpose)
             device.stamp(d, device.generations(d), purpose)
@@ -81,20 +98,26 @@ def backends_agree(dtype: torch.dtype, kind: str, *, kernel: bool, ops: int) -> 
             flag = rng.random() < 0.5
             assert host.set_free(h, flag) == as_list(device.set_free(d, flag))
         elif op == "own":
-            host.own_writes(h)
-            device.own_writes(d)
+            host.own_writes(h, now)
+            device.own_writes(d, now)
         elif op == "stale":
             expected = [rng.randint(0, 3) for _ in pages]
             assert host.stale(h, expected) == as_list(device.stale(d, torch.tensor(expected)))
-        else:  # a write into the pages' stamp area, the same on both pools
+        else:  # a write into the pages' stamp area and ends, the same on both pools
             for pool in (host_pool, device_pool):
                 for p in pages:
-                    pool.page(p)[0][:4] = p % 7
+                    for view in pool.page(p):
+                        view[:4] = p % 7
+                        view[-3:] = p % 5 + 1
         assert host.generations(list(range(32))) == as_list(
             device.generations(device.index(list(range(32))))
         )
-    assert torch.equal(host_pool.page_views[0], device_pool.page_views[0])
+    for host_view, device_view in zip(host_pool.page_views, device_pool.page_views, strict=True):
+        assert torch.equal(host_view, device_view)
     assert torch.equal(host_pool.tag_store, device_pool.tag_store)
+    assert torch.equal(host.holders_t, device.holders.cpu())
+    everything = list(range(32))
+    assert host.sources(everything) == device.sources(device.index(everything))
 
 
 @dataclass
