@@ -8,13 +8,14 @@ from dataclasses import dataclass
 
 from engine_hooks.detectors import Mode
 from engine_hooks.spool import DEFAULT_SPOOL_DIR
+from engine_hooks.watch import Scrub
 
 logger = logging.getLogger("kvwatch.sglang")
 
 #: Detector names a per-detector override may name: ``KVWATCH_MODE_CANARY=enforce``.
 DETECTORS = ("canary", "checksum", "page_tag", "admission")
 #: ``KVWATCH_SCRUB`` values.
-SCRUB_MODES = ("off", "on_free", "on_reserve")
+SCRUB_MODES = tuple(s.value for s in Scrub)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +27,7 @@ class Settings:
     step_check: bool
     role: str
     #: When pages are overwritten so a stale read reads nothing: ``KVWATCH_SCRUB``.
-    scrub: str = "off"
+    scrub: Scrub = Scrub.OFF
 
     @property
     def off(self) -> bool:
@@ -65,7 +66,7 @@ def from_env(environ: dict[str, str] | None = None) -> Settings:
             scrub[:32],
             "|".join(SCRUB_MODES),
         )
-        scrub = "off"
+        scrub = Scrub.OFF
     return Settings(
         mode=mode,
         detector_modes=per,
@@ -73,5 +74,5 @@ def from_env(environ: dict[str, str] | None = None) -> Settings:
         flush_interval=interval,
         step_check=env.get("KVWATCH_STEP_CHECK", "1").strip() not in ("0", "false", "no", "off"),
         role=env.get("KVWATCH_ROLE", ""),
-        scrub=scrub,
+        scrub=Scrub(scrub),
     )
