@@ -26,12 +26,12 @@ def mark_landed(watch: KVWatch, ticket: Ticket) -> None:
         return
     intact = state.intact(ticket.pages, ticket.tags, Purpose.RESERVED)
     if isinstance(intact, torch.Tensor):  # on the device: a select, no sync
-        pages = pool.as_index(ticket.pages)
+        index = pool.as_index(ticket.pages)
         tags = torch.as_tensor(ticket.tags).to(device=pool.device, dtype=torch.int64)
         store = pool.tag_store
-        store[pages] = torch.where(intact, store.index_select(0, pages), tags)
+        store[index] = torch.where(intact, store.index_select(0, index), tags)
         return
-    pages, tags = list(ticket.pages), list(ticket.tags)
-    landed = [(p, t) for p, t, unwritten in zip(pages, tags, intact, strict=True) if not unwritten]
+    pages, gens = list(ticket.pages), list(ticket.tags)
+    landed = [(p, t) for p, t, unwritten in zip(pages, gens, intact, strict=True) if not unwritten]
     if landed:
         pool.mark_written([p for p, _ in landed], [t for _, t in landed])
