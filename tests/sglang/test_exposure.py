@@ -54,38 +54,45 @@ def start(sglang_plugins: Any, tmp_path: Path) -> Iterator[Any]:
         rt.close()
 
 
-def record_owners(bed: Bed, owners: dict[int, str]) -> None:
-    """Page -> the request whose KV SGLang's rows say the page holds: each running request's
-    row, over the positions written so far (the prompt, by the transfer; each output token but
-    the newest, by a decode step)."""
+#: The users' prompts: decode reserves one page (the prompt's), and its own steps take four
+#: more (``alloc_decode``).
+USER_PROMPT, USER_TOKENS = 16, 60
+
+
+def record_owners(bed: Bed, owners: dict[int, tuple[str, bool]]) -> None:
+    """Page -> the request whose KV SGLang's rows say the page holds, and whether only its
+    decode steps wrote it (a page ``alloc_decode`` took, past the reserved ones): each running
+    request's row, over the positions written so far (the prompt, by the transfer; each output
+    token but the newest, by a decode step)."""
     running = bed.running.reqs if bed.running is not None else []
     for req in running:
         if req.kv.req_pool_idx is None:  # finished: its row is gone
             continue
         written = len(req.origin_input_ids) + len(req.output_ids) - 1
-        row = bed.rows.req_to_token[req.kv.req_pool_idx][:written]
-        for page in {int(slot) // bed.page_size for slot in row.tolist()}:
-            owners[page] = req.rid
+        reserved = -(-len(req.origin_input_ids) // bed.page_size)  # what _pre_alloc took
+        row = bed.rows.req_to_token[req.kv.req_pool_idx][: written : bed.page_size]
+        for i, slot in enumerate(row.tolist()):
+            owners[int(slot) // bed.page_size] = (req.rid, i >= reserved)
 
 
-def serve_users(bed: Bed, new_tokens: int = 40) -> dict[int, str]:
+def serve_users(bed: Bed) -> dict[int, tuple[str, bool]]:
     """Two users served to the end (their KV left in the pool, unzeroed, as SGLang leaves it);
-    returns who held each page, from SGLang's own rows."""
+    returns who held each page, from SGLang's own rows (see :func:`record_owners`)."""
     reqs = []
     for i, rid in enumerate(USERS):
-        req = bed.request(rid, list(range(500 + 100 * i, 564 + 100 * i)), new_tokens)
+        start = 500 + 100 * i
+        req = bed.request(rid, list(range(start, start + USER_PROMPT)), USER_TOKENS)
         assert bed.arrive(req)
         bed.reserve(req)
         bed.transfer(req)
         reqs.append(req)
-    owners: dict[int, str] = {}
+    owners: dict[int, tuple[str, bool]] = {}
     bed.scheduler.waiting_queue.extend(reqs)
     while not bed.idle():
         bed.step()
         record_owners(bed, owners)
     assert all(r.finished() for r in reqs)
-    # The decode steps' own pages (alloc_decode, past the reserved prompt) are among them.
-    assert len(owners) == 2 * -(-(64 + new_tokens - 1) // PAGE)
+    assert len(owners) == 2 * -(-(USER_PROMPT + USER_TOKENS - 1) // PAGE)
     # Under pressure SGLang merges the freed pages back, lowest first: the next reservation
     # takes the users' pages.
     bed.allocator.merge_and_sort_free()
@@ -129,8 +136,9 @@ def test_the_incident_names_exactly_the_exposed_requests(start: Any, kind: str) 
     with Bed(page_size=PAGE, radix=False, kind=kind) as bed:
         owners = serve_users(bed)
         req, unwritten = reader(bed, "rejected-1", 128, written=1)
-        held = Counter(owners[p] for p in unwritten if p in owners)
-        assert set(held) == set(USERS)  # the test is about something: both users exposed
+        held = Counter(owners[p][0] for p in unwritten if p in owners)
+        assert set(held) == set(USERS)  # the test is about something: both users exposed,
+        assert {owners[p][1] for p in unwritten} == {False, True}  # by transfers and steps
         assert bed.admit([req]) == []  # log mode: served
         for event in exposing_events(rt, req.rid):
             assert sorted(event["pages"]) == unwritten
@@ -157,7 +165,7 @@ def test_a_rejected_request_admitted_at_the_door_names_whose_kv_it_got(start: An
         bed.admit([req])
         events = sgl.spool(rt).events(request_id=req.rid, detector="canary")
         assert [(e["kind"], e["pages"]) for e in events] == [("unwritten_page", [page])]
-        assert sources(events[0]) == {owners[page]: 1}
+        assert sources(events[0]) == {owners[page][0]: 1}
 
 
 def test_pages_nobody_wrote_name_no_source(start: Any) -> None:

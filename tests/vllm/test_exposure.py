@@ -31,7 +31,8 @@ BLOCK = 4
 NUM_BLOCKS = 16
 READER = "reader"
 READER_PROMPT = list(range(100, 116))  # four blocks
-LOST = (1, 2)  # the reader's blocks its load never delivers
+LOST = (0, 1)  # the reader's blocks its load never delivers
+USER_PROMPT = 5  # tokens: the load fills the first two blocks, decode's forward the rest
 EXPOSING = {("canary", "unwritten_page"), ("page_tag", "stale_tag"), ("checksum", "digest")}
 
 
@@ -46,25 +47,28 @@ def start(tmp_path: Path, model: str, runner: str, scrub: str = "off") -> Pair:
     )  # fmt: skip
 
 
-def record_owners(p: Pair, owners: dict[int, str]) -> None:
-    """Block -> the request whose KV vLLM's block table says it holds: every running request's
+def record_owners(p: Pair, owners: dict[int, tuple[str, bool]]) -> None:
+    """Block -> the request whose KV vLLM's block table says it holds, and whether only that
+    request's own forward wrote it (past its loaded prompt blocks): every running request's
     blocks over the tokens computed so far."""
     scheduler = p.decode.scheduler
+    loaded = -(-USER_PROMPT // BLOCK)
     for request in scheduler.running:
         if request.status != RequestStatus.RUNNING:
             continue
         computed = -(-request.num_computed_tokens // BLOCK)
-        for block in p.decode.blocks(request.request_id)[:computed]:
-            owners[block] = request.request_id
+        for i, block in enumerate(p.decode.blocks(request.request_id)[:computed]):
+            owners[block] = (request.request_id, i >= loaded)
 
 
-def serve_users(p: Pair, users: int = 5) -> dict[int, str]:
-    """Users served one after another (short prompts, longer replies: most of their blocks are
-    written by decode's own forward); returns who held each block, from vLLM's block tables."""
-    owners: dict[int, str] = {}
+def serve_users(p: Pair, users: int = 5) -> dict[int, tuple[str, bool]]:
+    """Users served one after another (short prompts, longer replies: some of their blocks are
+    written by decode's own forward only); returns who held each block, from vLLM's block
+    tables (see :func:`record_owners`)."""
+    owners: dict[int, tuple[str, bool]] = {}
     for i in range(users):
         rid = f"user-{i}"
-        p.serve(rid, [1 + 10 * i, 2 + 10 * i, 3 + 10 * i, 4 + 10 * i, 5 + 10 * i], max_tokens=10)
+        p.serve(rid, [10 * i + t for t in range(1, USER_PROMPT + 1)], max_tokens=10)
         for _ in range(100):
             p.step()
             record_owners(p, owners)
@@ -115,8 +119,10 @@ def test_a_short_load_names_exactly_the_exposed_requests(
     p = start(tmp_path, model, runner)
     owners = serve_users(p)
     lost = read_with_lost_blocks(p)
-    held = Counter(owners[b] for b in lost if b in owners)
+    held = Counter(owners[b][0] for b in lost if b in owners)
     assert sum(held.values()) == len(lost)  # the test is about something: all were users'
+    # ... one written by a load, one by decode's own forward only
+    assert sorted(owners[b][1] for b in lost) == [False, True]
     p.run()
     assert p.decode.finished[READER].finish_reason == FinishReason.LENGTH  # log mode: served
     for event in reader_events(tmp_path):
