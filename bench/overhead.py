@@ -1,7 +1,8 @@
 """kvwatch's cost inside minipd: the same seeded workload with ``--kvwatch off``, ``log`` and
 ``enforce``, in one run, as ratios to ``off``.
 
-Run: ``python bench/overhead.py [--requests N] [--concurrency C] [--rounds R]``.
+Run: ``python bench/overhead.py [--requests N] [--concurrency C] [--rounds R]
+[--scrub-rounds S] [--device cuda]``.
 
 Prints, per mode, end-to-end throughput (generated tokens/s and prompt+generated tokens/s
 through the router) and decode step time (the mean step, and the time inside steps per
@@ -16,6 +17,12 @@ bound: it includes waits for the GIL) per generated token, as a share of the CPU
 Modes are interleaved over ``--rounds`` rounds and each figure is the median over rounds, so
 drift on a shared machine hits all modes alike. Targets (issue 3): all detectors at most 3% of
 end-to-end throughput; page tags plus canaries at most 1% of decode step time.
+
+Scrub (issue 17): the hooks' scrub of scattered pages in bytes per second against a plain
+memset (``zero_()``) of the same number of pages in one run, on the host and, with
+``--device cuda``, on the GPU (interleaved rounds); and, over ``--scrub-rounds`` rounds,
+end-to-end generated tokens/s of minipd with ``--kvwatch log`` and ``--kvwatch-scrub``
+``on_free`` and ``on_reserve`` as ratios to scrub ``off`` (target: on_reserve >= 0.99x).
 """
 
 from __future__ import annotations
@@ -102,10 +109,13 @@ def workload(seed: int, requests: int, min_words: int, max_words: int) -> list[t
     return items
 
 
-def run_once(mode: str, args: argparse.Namespace, items: list[tuple[str, int]]) -> Run:
+def run_once(
+    mode: str, args: argparse.Namespace, items: list[tuple[str, int]], scrub: str = "off"
+) -> Run:
     workdir = Path(tempfile.mkdtemp(prefix=f"minipd-bench-{mode}-"))
     serve = [
         "--kvwatch", mode, "--kvwatch-spool", str(workdir / "spool"),
+        "--kvwatch-scrub", scrub,
         "--pool-tokens", str(args.pool_tokens), "--context-length", str(args.context_length),
         "--page-size", str(args.page_size), "--layers", str(args.layers),
     ]  # fmt: skip
@@ -270,6 +280,91 @@ def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int, ro
     )
 
 
+def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: int) -> None:
+    """The hooks' scrub (``PageState.scrub``: scattered pages, every buffer; on a GPU one
+    Triton launch) against a plain memset, ``zero_()`` of a contiguous run of the same number
+    of pages in every buffer, interleaved rounds; bytes per second, best round of each."""
+    import torch
+
+    from engine_hooks import PagedKVPool
+    from engine_hooks.pagestate import page_state
+
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    page_size, head_dim = 16, 128  # minipd's page, a common head size: 8 KiB per page, fp32
+    pool = PagedKVPool(
+        [torch.ones((pages * page_size, 1, head_dim), device=dev) for _ in range(2 * layers)],
+        page_size,
+    )
+    state = page_state(pool)
+    rng = random.Random(0)
+    runs = [rng.sample(range(pages), batch) for _ in range(8)]
+    index = [state.index(r) for r in runs]
+    starts = [(i * batch) % (pages - batch) for i in range(len(runs))]
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def scrub(i: int) -> None:
+        state.scrub(index[i % len(index)])
+
+    def memset(i: int) -> None:  # as many runs as the scrub has page sets: the same bytes
+        at = starts[i % len(starts)]
+        for view in pool.page_views:
+            view[at : at + batch].zero_()
+
+    best = {"scrub": 0.0, "memset": 0.0}
+    nbytes = batch * pool.page_bytes
+    for _ in range(rounds):
+        for name, fn in (("scrub", scrub), ("memset", memset)):
+            fn(0)  # warm (a first launch compiles the kernel)
+            sync()
+            reps = 20
+            started = time.perf_counter()
+            for i in range(reps):
+                fn(i)
+            sync()
+            best[name] = max(best[name], reps * nbytes / (time.perf_counter() - started))
+    how = "host arrays" if dev.type == "cpu" else "torch fills"
+    if getattr(state, "kernels", False):
+        how = "one Triton launch"
+    print(
+        f"scrub of {batch} scattered pages ({nbytes / 2**20:.1f} MiB, {2 * layers} buffers, "
+        f"{device}, {how}): "
+        f"{best['scrub'] / 1e9:.2f} GB/s; memset of as many pages (zero_(), contiguous): "
+        f"{best['memset'] / 1e9:.2f} GB/s; ratio {best['scrub'] / best['memset']:.2f}x "
+        f"(best of {rounds} interleaved rounds)"
+    )
+
+
+def scrub_throughput(args: argparse.Namespace, items: list[tuple[str, int]]) -> None:
+    """minipd with ``--kvwatch log`` and each scrub, interleaved rounds: tokens/s ratios."""
+    modes = ("off", "on_free", "on_reserve")
+    runs: dict[str, list[Run]] = {m: [] for m in modes}
+    for round_no in range(args.scrub_rounds):
+        for scrub in modes[round_no % 3 :] + modes[: round_no % 3]:
+            run = run_once("log", args, items, scrub)
+            runs[scrub].append(run)
+            print(
+                f"scrub round {round_no + 1} {scrub:<10} {run.tokens_per_s:8.1f} gen tok/s "
+                f"cpu {run.cpu_us_per_token:.0f} us/tok",
+                flush=True,
+            )
+    print(f"\nscrub, --kvwatch log, per-round ratio to scrub off, median (range) of "
+          f"{args.scrub_rounds} rounds")  # fmt: skip
+    for label, attr in (("generated tokens/s (wall)", "tokens_per_s"),
+                        ("CPU us per generated token", "cpu_us_per_token")):  # fmt: skip
+        cells = []
+        for m in modes[1:]:
+            pairs = zip(runs[m], runs["off"], strict=True)
+            ratios = [getattr(r, attr) / getattr(o, attr) for r, o in pairs]
+            cells.append(
+                f"{m} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+            )
+        print(f"{label:<44}" + "   ".join(cells))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=96)
@@ -286,14 +381,22 @@ def main() -> int:
     parser.add_argument("--batch-context", type=int, default=2000)
     parser.add_argument("--batch-steps", type=int, default=64)
     parser.add_argument("--batch-rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the scrub bandwidth runs")
+    parser.add_argument("--scrub-pages", type=int, default=256, help="pages per scrub")
+    parser.add_argument(
+        "--scrub-rounds", type=int, default=0, help="minipd rounds of the scrub modes (0: none)"
+    )
     args = parser.parse_args()
     request_hooks(4000, args.page_size, 20)
     step_hooks_at_batch(
         args.batch, args.batch_context, args.page_size, args.batch_steps, args.batch_rounds
     )
+    scrub_bandwidth(args.device, 4096, args.scrub_pages, 5, args.layers)
+    items = workload(args.seed, args.requests, args.min_words, args.max_words)
+    if args.scrub_rounds:
+        scrub_throughput(args, items)
     if args.rounds == 0:
         return 0
-    items = workload(args.seed, args.requests, args.min_words, args.max_words)
     runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
     for round_no in range(args.rounds):
         # The order turns each round, so no mode always runs first (after a cold start) or

@@ -77,22 +77,30 @@ class Seal:
     page_count: int
     digest: int
     pages: tuple[int, ...] = ()
+    #: Requests (id, instance) whose KV may remain in the unwritten tail of the last sealed
+    #: page: its previous holder, when the writer wrote fewer tokens than its pages hold. A
+    #: reader that reads past the sealed pages reads that tail too (it is named as a source).
+    residue: tuple[tuple[str, str], ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"page_count": self.page_count, "digest": self.digest}
         if self.pages:
             wire["pages"] = list(self.pages)
+        if self.residue:
+            wire["residue"] = [list(r) for r in self.residue]
         return wire
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> Seal:
         pages = tuple(int(d) for d in data.get("pages") or ())
-        return cls(int(data["page_count"]), int(data["digest"]), pages)
+        residue = tuple((str(r[0]), str(r[1])) for r in data.get("residue") or ())
+        return cls(int(data["page_count"]), int(data["digest"]), pages, residue)
 
     def run(self, start: int, count: int) -> Seal:
         """The per-page seal of ``count`` pages from ``start`` (fewer when it has fewer)."""
         pages = self.pages[start : start + count]
-        return Seal(len(pages), page_digests_digest(pages), pages)
+        residue = self.residue if start + count >= self.page_count else ()
+        return Seal(len(pages), page_digests_digest(pages), pages, residue)
 
 
 def page_digests_digest(pages: Sequence[int]) -> int:

@@ -67,6 +67,7 @@ class PageState(Protocol):
     def claim(self, pages: Ints, owner: int, now: float) -> None: ...
     def sources(self, pages: Ints) -> tuple[list[int], list[float]]: ...
     def scrub(self, pages: Ints) -> None: ...
+    def scrub_tail(self, page: int, used: int) -> None: ...
     def stale(self, pages: Ints, expected: Ints) -> Mask: ...
     def set_free(self, pages: Ints, free: bool) -> Mask: ...
     def was_free(self, pages: Ints) -> Mask: ...
@@ -80,6 +81,12 @@ def page_state(pool: PagedKVPool) -> PageState:
 
 def _ms(now: float) -> int:
     return int(now * 1000)
+
+
+def _tail_starts(pool: PagedKVPool, used: int) -> list[int]:
+    """Per buffer, the byte where a page's token rows after the first ``used`` begin (a page is
+    ``page_size`` equal rows in every buffer, token-major, in both layouts)."""
+    return [width // pool.page_size * used for width in pool.layer_page_bytes]
 
 
 def _kernels_available(device: torch.device) -> bool:
@@ -174,6 +181,11 @@ class DevicePages:
                 view.index_fill_(0, index, 0)
         self.written[index] = 0
 
+    def scrub_tail(self, page: int, used: int) -> None:
+        """Zero the tail of one page after its first ``used`` token rows, in every buffer."""
+        for view, start in zip(self.pool.page_views, _tail_starts(self.pool, used), strict=True):
+            view[page, start:].zero_()
+
     def stale(self, pages: Ints, expected: Ints) -> torch.Tensor:
         index, want = torch.as_tensor(pages), torch.as_tensor(expected)
         if self.kernels:
@@ -241,6 +253,10 @@ class HostPages:
         self.free = bytearray(pool.num_pages)
         self.holders_t = torch.zeros((pool.num_pages, _SLOTS, _FIELDS), dtype=torch.int64)
         self.holders = tensor_buffer(self.holders_t).cast("q")
+        # The same memory as arrays, for batches of pages (a prompt's pages at alloc, seal).
+        self.holders_np = self.holders_t.numpy()
+        self.generation_np = self.generation_t.numpy()
+        self.written_np = pool.tag_store.numpy()
         self.stamp_view = tensor_buffer(pool.page_views[0])
         self.stamp_rows = pool.page_views[0].numpy()  # the same bytes, for batches of pages
         self.page_rows = [view.numpy() for view in pool.page_views]
@@ -263,6 +279,19 @@ class HostPages:
         return values.tolist() if isinstance(values, torch.Tensor) else values
 
     def bump(self, pages: Ints, owner: int = UNKNOWN, now: float = 0.0) -> None:
+        if len(pages) >= _BATCH_PAGES:  # as arrays; the same steps as the loop below
+            ids = np.asarray(self._ints(pages), dtype=np.int64)
+            rows = self.holders_np[ids]
+            written_ = self.written_np[ids]
+            last = (written_ != 0) & (written_ == rows[:, PREVIOUS, GEN])
+            rows[last, WRITER] = rows[last, PREVIOUS]
+            rows[:, PREVIOUS] = rows[:, CURRENT]
+            self.generation_np[ids] += 1
+            rows[:, CURRENT, KEY] = owner
+            rows[:, CURRENT, GEN] = self.generation_np[ids]
+            rows[:, CURRENT, AT_MS] = _ms(now)
+            self.holders_np[ids] = rows
+            return
         gen, written, h, at = self.generation, self.written, self.holders, _ms(now)
         size = _SLOTS * _FIELDS
         current, previous, writer = CURRENT * _FIELDS, PREVIOUS * _FIELDS, WRITER * _FIELDS
@@ -286,12 +315,22 @@ class HostPages:
 
     def own_writes(self, pages: Ints, now: float | None = None) -> None:
         at = _ms(time.time() if now is None else now)
+        if len(pages) >= _BATCH_PAGES:
+            ids = np.asarray(self._ints(pages), dtype=np.int64)
+            self.written_np[ids] = self.generation_np[ids]
+            self.holders_np[ids, CURRENT, AT_MS] = at
+            return
         h, stride = self.holders, _SLOTS * _FIELDS
         for p in self._ints(pages):
             self.written[p] = self.generation[p]
             h[p * stride + CURRENT * _FIELDS + AT_MS] = at
 
     def claim(self, pages: Ints, owner: int, now: float) -> None:
+        if len(pages) >= _BATCH_PAGES:
+            ids = np.asarray(self._ints(pages), dtype=np.int64)
+            self.holders_np[ids, CURRENT, KEY] = owner
+            self.holders_np[ids, CURRENT, AT_MS] = _ms(now)
+            return
         at, h, stride = _ms(now), self.holders, _SLOTS * _FIELDS
         for p in self._ints(pages):
             h[p * stride + CURRENT * _FIELDS + KEY] = owner
@@ -320,6 +359,10 @@ class HostPages:
             rows[ids] = 0
         for p in ids.tolist():
             self.written[p] = 0
+
+    def scrub_tail(self, page: int, used: int) -> None:
+        for rows, start in zip(self.page_rows, _tail_starts(self.pool, used), strict=True):
+            rows[page, start:] = 0
 
     def stale(self, pages: Ints, expected: Ints) -> Mask:
         if isinstance(pages, torch.Tensor):  # a whole decode batch: vectorised

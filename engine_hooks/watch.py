@@ -451,19 +451,37 @@ class KVWatch:
         ticket._append(index, gens)
 
     @_hook("seal", lambda: None)
-    def seal(self, request_id: str, pages: PageIds) -> Seal | None:
+    def seal(self, request_id: str, pages: PageIds, tokens: int | None = None) -> Seal | None:
         """The writer's seal over the pages it sent (prefill, after the KV is computed): also
-        records that ``request_id`` wrote them (for the blast radius, in any checksum mode)."""
-        if self.checksum is None:
+        records that ``request_id`` wrote them (for the blast radius, in any checksum mode).
+        ``tokens``, the tokens written, when the engine knows it: fewer than the pages hold
+        leave the last page's tail to its previous holder, which the seal names as residue;
+        with scrub on, that tail is zeroed instead (before it is sealed and sent)."""
+        if self.checksum is None or self.pool is None or self.state is None:
             return None
-        if self.state is not None:
-            index = self.state.index(pages)
-            now = time.time()
-            self.state.claim(index, self.requests.key(request_id), now)
-            self.state.own_writes(index, now)
+        index = self.state.index(pages)
+        residue: tuple[tuple[str, str], ...] = ()
+        count, page_size = len(index), self.pool.page_size
+        if count and tokens is not None and 0 <= tokens < count * page_size:
+            last = index[count - 1 :]
+            if self.scrub is Scrub.OFF:
+                residue = self._holders(last, request_id)
+            else:
+                used = tokens - (count - 1) * page_size
+                self.state.scrub_tail(int(last[0]), max(0, used))
+        now = time.time()
+        self.state.claim(index, self.requests.key(request_id), now)
+        self.state.own_writes(index, now)
         if not self.checksum.active():
             return None
-        return self.checksum.seal(pages)
+        return replace(self.checksum.seal(pages), residue=residue)
+
+    def _holders(self, pages: Ints, reader: str) -> tuple[tuple[str, str], ...]:
+        """The requests (id, instance) whose data these pages hold now, other than ``reader``."""
+        assert self.state is not None
+        keys, _ = self.state.sources(pages)
+        idents = {self.requests.get(k) for k in keys if k not in (NOBODY, UNKNOWN)}
+        return tuple(sorted(i for i in idents if i is not None and i[0] != reader))
 
     @_hook("verify", list)
     def verify_admit(self, ticket: Ticket | None, seal: Seal | None) -> list[Verdict]:
@@ -493,7 +511,12 @@ class KVWatch:
                 verdict = self.checksum.verify(rid, ticket.pages, seal)
                 self.stats.verified(TransferChecksum.name)
                 if not verdict.ok:
-                    verdicts.append(self._report(replace(verdict, instance=instance)))
+                    # Read past the sealed pages: the last one's unwritten tail is read too.
+                    short = verdict.kind == TransferChecksum.PAGE_COUNT and (
+                        seal.page_count < ticket.page_count
+                    )
+                    residue = seal.residue if short else ()
+                    verdicts.append(self._report(replace(verdict, instance=instance), residue))
         return verdicts
 
     @_hook("step", list)
@@ -559,7 +582,7 @@ class KVWatch:
             return []
         return [self._report(v) for f in findings for v in f.resolve()]
 
-    def _report(self, verdict: Verdict) -> Verdict:
+    def _report(self, verdict: Verdict, residue: Sequence[tuple[str, str]] = ()) -> Verdict:
         """Count a mismatch and write its event record, once per request instance, detector and
         kind: a stale page found at admit is found again at every decode step of the same
         request. The instance, not the request id: two requests may share an id."""
@@ -570,7 +593,7 @@ class KVWatch:
             self._reported[key] = None
             if len(self._reported) > _REMEMBERED_REPORTS:
                 self._reported.popitem(last=False)
-        verdict = self._expose(verdict)
+        verdict = self._expose(verdict, residue)
         self.stats.mismatch(verdict.detector, verdict.kind or "other")
         if self.spool is not None:
             record: dict[str, Any] = {
@@ -592,17 +615,20 @@ class KVWatch:
             self.spool.write(schema.EVENT, record)
         return verdict
 
-    def _expose(self, verdict: Verdict) -> Verdict:
-        """The verdict with the requests whose data its pages held (see the module docstring)."""
+    def _expose(self, verdict: Verdict, residue: Sequence[tuple[str, str]] = ()) -> Verdict:
+        """The verdict with the requests whose data its pages held (see the module docstring),
+        and the ``residue`` of the writer's last page (one page each; see :class:`Seal`)."""
         if self.state is None or verdict.kind not in EXPOSING_KINDS or not verdict.pages:
             return verdict
         keys, times = self.state.sources(self.state.index(verdict.pages))
         held: dict[tuple[str, str], list[float]] = {}
         unattributed = 0
-        for key, at in zip(keys, times, strict=True):
-            if key == NOBODY:
-                continue
-            ident = self.requests.get(key) if key != UNKNOWN else None
+        found = [
+            (self.requests.get(key) if key != UNKNOWN else None, at)
+            for key, at in zip(keys, times, strict=True)
+            if key != NOBODY
+        ]
+        for ident, at in [*found, *((r, 0.0) for r in residue)]:
             if ident is None:
                 unattributed += 1
             elif not _is_reader(ident, verdict):

@@ -38,6 +38,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--deferred-release", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--kvwatch", choices=["off", "log", "enforce"], default="off")
     p.add_argument("--kvwatch-spool", default=None)
+    p.add_argument(
+        "--kvwatch-scrub",
+        choices=["off", "on_free", "on_reserve"],
+        default="off",
+        help="zero KV pages when they return to the free list (on_free) or when decode reserves"
+        " them for prefill's write (on_reserve); independent of --kvwatch (docs/scrub.md)",
+    )
     p.add_argument("--log-dir", default=None)
     p.add_argument(
         "--tokenizer-piece-bytes",
@@ -72,6 +79,7 @@ def config_from(args: argparse.Namespace) -> ServeConfig:
         deferred_release=deferred,
         kvwatch=args.kvwatch,
         kvwatch_spool=args.kvwatch_spool,
+        kvwatch_scrub=args.kvwatch_scrub,
         log_dir=args.log_dir,
         tokenizer_piece_bytes=args.tokenizer_piece_bytes,
         ffn_width=args.ffn_width,

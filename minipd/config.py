@@ -47,6 +47,7 @@ class ServeConfig:
     deferred_release: bool | None = None  # None: as the release does
     kvwatch: str = "off"
     kvwatch_spool: str | None = None
+    kvwatch_scrub: str = "off"  # off | on_free | on_reserve: engine_hooks.Scrub
     log_dir: str | None = None
     tokenizer_piece_bytes: int = PIECE_BYTES
     ffn_width: int = 0  # a feed-forward block of this width per layer (0: attention only)
@@ -69,4 +70,5 @@ class ServeConfig:
 
     @property
     def kvwatch_on(self) -> bool:
-        return self.kvwatch != "off"
+        """Whether the hooks are installed: for the detectors, or only to scrub pages."""
+        return self.kvwatch != "off" or self.kvwatch_scrub != "off"

@@ -23,7 +23,7 @@ from engine_hooks import KVWatch, Seal, Ticket, Verdict
 from minipd import httpjson, process, tokenizer
 from minipd.config import ServeConfig
 from minipd.httpjson import Body, error
-from minipd.kvcache import FreeList, KVPool, pages_for
+from minipd.kvcache import FreeList, KVPool, PageOwners, pages_for
 from minipd.logs import setup, startup_line
 from minipd.model import ReciteModel
 from minipd.watching import Seen, blocked, describe, hook_seconds, make_watch, settle
@@ -76,10 +76,12 @@ class DecodeWorker:
         buffers: list[torch.Tensor],
         tags: torch.Tensor,
         logger: logging.Logger,
+        owners: torch.Tensor,
     ) -> None:
         self.cfg = cfg
         self.log = logger
         self.pool = KVPool(buffers, cfg.page_size)
+        self.owners = PageOwners(owners, cfg.page_size)
         self.pool_tokens = self.pool.num_pages * cfg.page_size
         self.free = FreeList(self.pool.num_pages)
         self.model = ReciteModel(
@@ -152,6 +154,7 @@ class DecodeWorker:
                     return blocked(stop)
                 ticket = self.watch.on_reserve(rid, pages)
             req = DecodeRequest(rid, prompt_tokens, max_new, pages, ticket, total - need)
+            self.owners.named(rid)
             self.promised += req.budget
             self.requests[rid] = req
         return 200, {"pages": pages, "tags": ticket_tags(ticket)}
@@ -199,8 +202,28 @@ class DecodeWorker:
                 return
         req.state = RUNNING
         self._refresh_slots(req)
+        self._log_exposure(req, "admit")
         self.running.append(req)
         self.stats.admitted += 1
+
+    def _log_exposure(self, req: DecodeRequest, when: str) -> None:
+        """minipd's own record of whose KV the request's pages hold as it reads them (ids and
+        counts only): the ground truth for kvwatch's sources. A slot counts only if it holds a
+        token's KV now (a zeroed or never-written slot holds nobody's)."""
+        if req.slots is None:
+            return
+        # What its last step read: step i attends over the prompt and the i tokens before it.
+        context = req.slots[: req.prompt_tokens + max(0, len(req.output) - 1)]
+        context = context[self.model.holds_token(self.pool, context)]
+        for source, (pages, tokens) in sorted(self.owners.held(context, req.rid).items()):
+            self.log.info(
+                "rid=%s read KV of rid=%s pages=%d tokens=%d at %s",
+                req.rid,
+                source,
+                pages,
+                tokens,
+                when,
+            )
 
     def _refresh_slots(self, req: DecodeRequest) -> None:
         req.slots = self.pool.slots_of(req.pages, len(req.pages) * self.cfg.page_size)
@@ -278,6 +301,7 @@ class DecodeWorker:
         if context // self.cfg.page_size >= len(req.pages) and not self._grow(req):
             return
         self.model.write(self.pool, req.slots[context : context + 1], row)
+        self.owners.wrote(req.slots[context : context + 1], req.rid)
 
     def _grow(self, req: DecodeRequest) -> bool:
         """A new page for the request's own tokens, from the budget promised at reserve."""
@@ -305,6 +329,7 @@ class DecodeWorker:
 
     def _finish(self, req: DecodeRequest) -> None:
         self.completions += 1
+        self._log_exposure(req, "finish")
         pages = req.pages
         self._end(req, drained=True)
         if self.completions == self.cfg.faults.double_free and pages:
@@ -413,6 +438,7 @@ def main(
     cfg: ServeConfig,
     buffers: list[torch.Tensor],
     tags: torch.Tensor,
+    owners: torch.Tensor,
     ready: Queue[tuple[str, int]],
     parent_pid: int,
 ) -> None:
@@ -420,7 +446,7 @@ def main(
     process.single_threaded_torch()
     stop = process.stop_event()
     logger = setup("decode", cfg.log_dir)
-    worker = DecodeWorker(cfg, buffers, tags, logger)
+    worker = DecodeWorker(cfg, buffers, tags, logger, owners)
     worker.start()
     server = httpjson.JsonServer("127.0.0.1", cfg.decode_port, worker.routes())
     server.start()

@@ -8,8 +8,9 @@ owner's keys and values. The free list is FIFO: freed pages go to the back.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,3 +107,66 @@ class FreeList:
 
     def free(self, pages: Sequence[int]) -> None:
         self.pages.extend(pages)
+
+
+class PageOwners:
+    """Which request's KV each token slot of a pool holds: minipd's own record, kept by the
+    engine's code where it writes KV (the model's writes, prefill's whole-page copy into
+    decode), not by kvwatch's hooks. It is the ground truth the blast-radius tests hold
+    kvwatch's sources to. Slots, not pages: a page copied whole carries the unwritten tail of
+    its source page (another request's KV) along with the request's own tokens.
+
+    One int64 per slot, the writer's request number (:func:`request_number`; 0 for a slot never
+    written); a reader checks the slot still holds a token's KV (a scrub may have zeroed it).
+    Decode's record lives in shared memory, as its pool (prefill writes it from its process);
+    decode, which sees every request id at reserve, maps numbers back to ids (the
+    ``remember`` most recent).
+    """
+
+    def __init__(self, holders: torch.Tensor, page_size: int, remember: int = 1 << 16) -> None:
+        self.holders = holders
+        self.page_size = page_size
+        self.remember = remember
+        self.names: OrderedDict[int, str] = OrderedDict()
+
+    def wrote(self, slots: torch.Tensor, rid: str) -> None:
+        """``rid``'s KV was written at these slots."""
+        self.holders[slots.cpu()] = request_number(rid)
+
+    def copied(self, src: PageOwners, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
+        """Whole pages copied from ``src``'s pool into this one (see :func:`copy_pages`)."""
+        if src_pages:
+            rows = src.holders.view(-1, src.page_size)[torch.as_tensor(list(src_pages))]
+            self.holders.view(-1, self.page_size)[torch.as_tensor(list(dst_pages))] = rows
+
+    def named(self, rid: str) -> None:
+        self.names[request_number(rid)] = rid
+        while len(self.names) > self.remember:
+            self.names.popitem(last=False)
+
+    def held(self, slots: torch.Tensor, reader: str) -> dict[str, tuple[int, int]]:
+        """Other requests whose KV a read of these slots sees: (pages, tokens) per request id
+        (the reader's own slots and never-written ones left out)."""
+        index = slots.cpu()
+        numbers = self.holders[index]
+        pages = index // self.page_size
+        own = request_number(reader)
+        out: dict[str, tuple[int, int]] = {}
+        for number in set(numbers.tolist()) - {0, own}:
+            mine = numbers == number
+            name = self.names.get(number, "?")
+            out[name] = (len(set(pages[mine].tolist())), int(mine.sum()))
+        return out
+
+
+def make_owners(slots: int, *, shared: bool) -> torch.Tensor:
+    """The record behind :class:`PageOwners` (host memory on any device: bookkeeping)."""
+    holders = torch.zeros(slots, dtype=torch.int64)
+    if shared:
+        holders.share_memory_()  # type: ignore[no-untyped-call]
+    return holders
+
+
+def request_number(rid: str) -> int:
+    """A request id as a positive 56-bit number (the record's cell; collisions are 2^-56)."""
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=7).digest(), "big") or 1

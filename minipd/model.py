@@ -74,6 +74,12 @@ class ReciteModel:
         keys = self._key.expand(n, 1, self.head_dim)
         return keys, values
 
+    def holds_token(self, pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+        """Per slot, whether it holds a token's KV (every token's key is the same): a slot never
+        written, zeroed or carrying a canary stamp does not."""
+        keys = pool.keys(0).index_select(0, slots)[:, 0, :]
+        return (keys == self._key).all(dim=1)
+
     def write(self, pool: KVPool, slots: torch.Tensor, rows: Rows) -> None:
         """Compute the KV of ``rows`` and store it at ``slots`` in every layer."""
         keys, values = self.kv(rows)

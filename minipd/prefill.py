@@ -22,7 +22,16 @@ from engine_hooks import KVWatch, PagedKVPool, Seal
 from minipd import httpjson, process, tokenizer
 from minipd.config import ServeConfig
 from minipd.httpjson import Body, error
-from minipd.kvcache import FreeList, KVPool, PoolShape, copy_pages, make_buffers, pages_for
+from minipd.kvcache import (
+    FreeList,
+    KVPool,
+    PageOwners,
+    PoolShape,
+    copy_pages,
+    make_buffers,
+    make_owners,
+    pages_for,
+)
 from minipd.logs import setup, startup_line
 from minipd.model import ReciteModel
 from minipd.watching import blocked, describe, hook_seconds, make_watch, settle
@@ -68,14 +77,17 @@ class PrefillWorker:
         decode_buffers: list[torch.Tensor],
         decode_tags: torch.Tensor,
         logger: logging.Logger,
+        decode_owners: torch.Tensor,
     ) -> None:
         self.cfg = cfg
         self.log = logger
+        self.decode_owners = PageOwners(decode_owners, cfg.page_size)
         device = torch.device(cfg.device)
         shape = PoolShape.for_tokens(
             cfg.prefill_pool_tokens, cfg.page_size, cfg.layers, cfg.head_dim
         )
         self.pool = KVPool(make_buffers(shape, device, shared=False), cfg.page_size)
+        self.owners = PageOwners(make_owners(shape.slots, shared=False), cfg.page_size)
         self.pool_tokens = shape.slots
         self.free = FreeList(shape.num_pages)
         self.decode_pool = KVPool(decode_buffers, cfg.page_size)
@@ -179,7 +191,9 @@ class PrefillWorker:
                 if stop is not None:
                     self._release(src)
                     return blocked(stop)
-            self.model.write(self.pool, self.pool.slots_of(src, len(req.rows)), req.rows)
+            slots = self.pool.slots_of(src, len(req.rows))
+            self.model.write(self.pool, slots, req.rows)
+            self.owners.wrote(slots, rid)
             if req.to_finish is not None and self.cfg.release.retire_aborted_prefill:
                 self._release(src)  # retired before its result reaches decode
                 self.rejected += 1
@@ -188,7 +202,7 @@ class PrefillWorker:
                 self._release(src)
                 return error(500, "decode reserved fewer pages than the prompt needs")
             self.transfers += 1
-            seal = self.watch.seal(rid, src) if self.watch is not None else None
+            seal = self.watch.seal(rid, src, len(req.rows)) if self.watch else None
             job = Transfer(
                 rid,
                 self.transfers,
@@ -219,6 +233,7 @@ class PrefillWorker:
             src, dest = src[:lost] + src[lost + 1 :], dest[:lost] + dest[lost + 1 :]
             tags = tags[:lost] + tags[lost + 1 :] if tags else tags
         copy_pages(self.pool, src, self.decode_pool, dest)
+        self.decode_owners.copied(self.owners, src, dest)
         if tags:
             self.decode_view.mark_written(dest, tags)
         if job.number == faults.bit_flip and dest:
@@ -254,6 +269,7 @@ def main(
     cfg: ServeConfig,
     decode_buffers: list[torch.Tensor],
     decode_tags: torch.Tensor,
+    decode_owners: torch.Tensor,
     ready: Queue[tuple[str, int]],
     parent_pid: int,
 ) -> None:
@@ -261,7 +277,7 @@ def main(
     process.single_threaded_torch()
     stop = process.stop_event()
     logger = setup("prefill", cfg.log_dir)
-    worker = PrefillWorker(cfg, decode_buffers, decode_tags, logger)
+    worker = PrefillWorker(cfg, decode_buffers, decode_tags, logger, decode_owners)
     server = httpjson.JsonServer("127.0.0.1", cfg.prefill_port, worker.routes())
     server.start()
     ready.put(("prefill", server.port))

@@ -1,6 +1,7 @@
 """``minipd serve``: start the three processes, watch them, stop them all together.
 
-The supervisor allocates decode's KV pool and its page-tag store in shared memory and hands
+The supervisor allocates decode's KV pool, its page-tag store and minipd's record of page
+ownership (:class:`minipd.kvcache.PageOwners`) in shared memory and hands
 them to decode (the owner) and prefill (the remote writer) when it starts them, as an RDMA
 engine registers a memory region with its peer. It prints one ready line on stdout once the
 router answers. On SIGTERM or Ctrl-C, or when any child dies, it stops every child; each child
@@ -23,7 +24,7 @@ import torch.multiprocessing
 
 from minipd import decode, prefill, process, router
 from minipd.config import ServeConfig
-from minipd.kvcache import PoolShape, make_buffers
+from minipd.kvcache import PoolShape, make_buffers, make_owners
 
 _START_SECONDS = 180.0
 _STOP_SECONDS = 10.0
@@ -75,12 +76,19 @@ def serve(cfg: ServeConfig) -> int:
     tags = torch.zeros(shape.num_pages, dtype=torch.int64, device=device)
     if device.type == "cpu":
         tags.share_memory_()  # type: ignore[no-untyped-call]
+    owners = make_owners(
+        shape.slots, shared=True
+    )  # minipd's own record of whose KV each page holds
     ready: queue.Queue[tuple[str, int]] = ctx.Queue()  # type: ignore[assignment]
     me = os.getpid()
     children: list[BaseProcess] = [
-        ctx.Process(target=decode.main, args=(cfg, buffers, tags, ready, me), name="minipd-decode"),
         ctx.Process(
-            target=prefill.main, args=(cfg, buffers, tags, ready, me), name="minipd-prefill"
+            target=decode.main, args=(cfg, buffers, tags, owners, ready, me), name="minipd-decode"
+        ),
+        ctx.Process(
+            target=prefill.main,
+            args=(cfg, buffers, tags, owners, ready, me),
+            name="minipd-prefill",
         ),
     ]
     try:

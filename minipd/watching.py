@@ -20,7 +20,8 @@ def describe(pool: KVPool, tag_store: torch.Tensor | None = None) -> PagedKVPool
 
 
 def make_watch(cfg: ServeConfig, role: str, pool: PagedKVPool, pool_tokens: int) -> KVWatch | None:
-    """The role's hooks, or None with ``--kvwatch off`` (the engine runs as if not installed)."""
+    """The role's hooks, or None with ``--kvwatch off`` and no scrub (the engine runs as if
+    not installed). A scrub with ``--kvwatch off`` installs them with every detector off."""
     if not cfg.kvwatch_on:
         return None
     watch = KVWatch(
@@ -31,6 +32,7 @@ def make_watch(cfg: ServeConfig, role: str, pool: PagedKVPool, pool_tokens: int)
         model=MODEL_NAME,
         mode=cfg.kvwatch,
         spool=cfg.kvwatch_spool or DEFAULT_SPOOL_DIR,
+        scrub=cfg.kvwatch_scrub,
     )
     watch.report_pool(pool_tokens, cfg.context_length, cfg.page_size)
     return watch

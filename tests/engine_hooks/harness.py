@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine_hooks import KVWatch, Mode, PagedKVPool, Seal, Ticket, Verdict, canary
+from engine_hooks import KVWatch, Mode, PagedKVPool, Scrub, Seal, Ticket, Verdict, canary
 from engine_hooks.pagestate import DevicePages, HostPages
 from engine_hooks.pool import Layout
 
@@ -66,7 +66,7 @@ def backends_agree(dtype: torch.dtype, kind: str, *, kernel: bool, ops: int) -> 
         pages = rng.sample(range(32), rng.randint(1, 12))  # both sides of _BATCH_PAGES
         op = rng.choice(
             ["bump", "stamp", "intact", "free", "own", "stale", "scribble", "claim", "sources",
-             "scrub", "tag"]
+             "scrub", "tag", "tail"]
         )  # fmt: skip
         h, d = host.index(pages), device.index(pages)
         purpose = rng.choice(list(canary.Purpose))
@@ -82,6 +82,10 @@ def backends_agree(dtype: torch.dtype, kind: str, *, kernel: bool, ops: int) -> 
         elif op == "scrub":
             host.scrub(h)
             device.scrub(d)
+        elif op == "tail":
+            used = rng.randint(0, PAGE_SIZE)
+            host.scrub_tail(pages[0], used)
+            device.scrub_tail(pages[0], used)
         elif op == "tag":  # a remote writer's tags: now, one generation back, or stale
             for pool, state in ((host_pool, host), (device_pool, device)):
                 gens = as_list(state.generations(state.index(pages)))
@@ -129,6 +133,9 @@ class Pair:
     decode_free: list[int]
     prefill_free: list[int]
     rng: random.Random = field(default_factory=lambda: random.Random(7))
+    #: The test's own record: the request whose KV each decode page holds (the ground truth
+    #: for the hooks' sources), kept where the pair writes pages.
+    holder: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -138,12 +145,23 @@ class Pair:
         pages: int = 64,
         mode: Mode | str | Mapping[str, Mode | str] = Mode.LOG,
         spool: Path | None = None,
+        scrub: Scrub | str = Scrub.OFF,
     ) -> Pair:
         d = KVWatch(
-            make_pool(kind, dtype, pages), role="decode", engine="minipd", mode=mode, spool=spool
+            make_pool(kind, dtype, pages),
+            role="decode",
+            engine="minipd",
+            mode=mode,
+            spool=spool,
+            scrub=scrub,
         )
         p = KVWatch(
-            make_pool(kind, dtype, pages), role="prefill", engine="minipd", mode=mode, spool=spool
+            make_pool(kind, dtype, pages),
+            role="prefill",
+            engine="minipd",
+            mode=mode,
+            spool=spool,
+            scrub=scrub,
         )
         pair = cls(d, p, list(range(pages)), list(range(pages)))
         d.on_free(pair.decode_free)
@@ -192,9 +210,30 @@ class Pair:
             for sv, dv in zip(self.ppool.page(s), self.dpool.page(d), strict=True):
                 dv.copy_(sv)
         self.dpool.mark_written(dst[:count], ticket.tags[:count])
+        self.holder.update(dict.fromkeys(dst[:count], rid))
         seal = self.prefill.seal(rid, src)
         self.free("prefill", src)
         return src, seal
+
+    def late_write(self, rid: str, pages: Sequence[int], tags: Sequence[int]) -> None:
+        """A transfer of ``rid``'s lands late in decode's pages, with the tags it was given."""
+        fill(self.dpool, pages, self.rng)
+        self.dpool.mark_written(pages, tags)
+        self.holder.update(dict.fromkeys(pages, rid))
+
+    def exposed(self, pages: Sequence[int], reader: str) -> dict[str, int]:
+        """The ground truth: other requests whose KV these pages hold, pages each."""
+        out: dict[str, int] = {}
+        for page in pages:
+            rid = self.holder.get(page)
+            if rid is not None and rid != reader:
+                out[rid] = out.get(rid, 0) + 1
+        return out
+
+    def holds_data(self, page: int) -> bool:
+        """Whether the decode page holds any nonzero byte past the canary stamp."""
+        first, *rest = self.dpool.page(page)
+        return bool(first[canary.STAMP_BYTES :].any()) or any(bool(v.any()) for v in rest)
 
     def clean_request(self, rid: str, count: int) -> tuple[list[int], Ticket, list[Verdict]]:
         dst, ticket = self.reserve(rid, count)

@@ -99,6 +99,18 @@ def test_seal_over_several_programs_per_page() -> None:
         assert pool.device_checksum(table, kernel=True) == zlib.adler32(host_bytes(pool, table))
 
 
+@pytest.mark.parametrize("widths", [[17, 2049, 5000], [2 * kernels.SEAL_CHUNK + 333, 100]])
+def test_scrub_zeroes_exactly_the_pages_in_every_buffer(widths: list[int]) -> None:
+    """The scrub's one launch, over odd widths and pages wider than one program's chunk."""
+    pool = raw_pool(widths, 5, 3, None)
+    before = [view.clone() for view in pool.page_views]
+    kernels.scrub(kernels.PageTables(pool.page_views), torch.tensor([3, 0]))
+    kernels.scrub(kernels.PageTables(pool.page_views), torch.tensor([], dtype=torch.int64))
+    for view, old in zip(pool.page_views, before, strict=True):
+        assert not view[[0, 3]].any()
+        assert torch.equal(view[[1, 2, 4]], old[[1, 2, 4]])
+
+
 def test_seal_of_no_pages_and_of_a_bad_page_id() -> None:
     pool = raw_pool([64], 4, 1, None)
     assert pool.device_checksum([], kernel=True) == 1

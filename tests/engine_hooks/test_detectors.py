@@ -3,11 +3,14 @@ clean traffic gives zero mismatches."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from engine_hooks import Mode, Seal
-from tests.engine_hooks.harness import Pair
+from engine_hooks import Mode, Seal, Verdict
+from kvspool.schema import MAX_EVENT_SOURCES
+from tests.engine_hooks.harness import Pair, fill
 
 FP8 = torch.float8_e4m3fn
 LAYOUTS = [
@@ -234,3 +237,198 @@ def test_clean_traffic_has_no_false_positives() -> None:
         mismatches = [k for k in pair.decode.stats.values if k[0] == "mismatches"]
         assert mismatches == []
     assert verified_pages >= 100_000
+
+
+# -- the blast radius: whose KV the reader's pages held ------------------------------------
+
+
+def named(verdict: Verdict) -> dict[str, int]:
+    return {s.request_id: s.pages for s in verdict.sources}
+
+
+def test_incident_names_the_users_whose_pages_were_read(pair: Pair) -> None:
+    warm(pair)
+    dst, ticket = pair.reserve("rejected", 8)
+    _, seal = pair.prefill_write("rejected", dst, ticket, written=1)
+    truth = pair.exposed(dst, "rejected")
+    verdicts = pair.decode.verify_admit(ticket, seal)
+    assert len(verdicts) == 3
+    for v in verdicts:
+        assert named(v) == truth, v.kind  # exactly the requests, with their page counts
+        assert "rejected" not in named(v)
+        for source in v.sources:
+            assert source.instance  # decode's instance of the earlier user's request
+            assert 0 < source.written_at <= time.time()
+    assert sum(truth.values()) == len(dst) - 1 - sum(
+        1 for p in dst[1:] if p not in pair.holder
+    )  # every written page of the read is someone's: the test's record covers the read
+
+
+def test_a_page_never_written_since_start_up_has_no_source(pair: Pair) -> None:
+    dst, ticket = pair.reserve("first", 4)  # a fresh pool: zeros
+    _, seal = pair.prefill_write("first", dst, ticket, written=1)
+    for v in pair.decode.verify_admit(ticket, seal):
+        assert v.sources == () and v.other_sources == 0
+        assert "unattributed_pages" not in v.detail
+
+
+def test_late_write_into_free_page_names_its_writer(pair: Pair) -> None:
+    warm(pair)
+    pages, ticket, _ = pair.clean_request("aborted", 4)
+    pair.free("decode", pages)
+    pair.late_write("aborted", pages[2:3], ticket.tags[2:3])  # lands after the free
+    pair.decode_free.remove(pages[2])
+    (verdict,) = pair.decode.on_alloc(pages[2:3], "next-owner")
+    assert verdict.kind == "write_to_free_page"
+    assert named(verdict) == {"aborted": 1}
+
+
+def test_late_write_after_reuse_names_the_late_writer(pair: Pair) -> None:
+    old, old_ticket, _ = pair.clean_request("old", 2)
+    pair.free("decode", old)
+    for page in old:
+        pair.decode_free.remove(page)
+    assert pair.decode.on_alloc(old, "new") == []
+    new_ticket = pair.decode.on_reserve("new", old)
+    assert new_ticket is not None
+    _, seal = pair.prefill_write("new", old, new_ticket)
+    assert pair.decode.verify_admit(new_ticket, seal) == []
+    pair.late_write("old", old[:1], old_ticket.tags[:1])  # the old transfer, with its tags
+    (verdict,) = pair.decode.check_step(new_ticket)
+    assert verdict.kind == "stale_tag" and named(verdict) == {"old": 1}
+
+
+def test_page_reallocated_and_written_names_the_new_owner_never_the_reader(pair: Pair) -> None:
+    dst, ticket, _ = pair.clean_request("running", 4)
+    pair.free("decode", dst[1:2])  # a stale page table frees it early
+    pair.decode_free.remove(dst[1])
+    assert pair.decode.on_alloc([dst[1]], "thief") == []
+    (before,) = pair.decode.check_step(ticket)
+    assert before.sources == ()  # the page still holds the reader's own KV: no source
+    thief = pair.decode.on_reserve("thief", [dst[1]])
+    assert thief is not None
+    pair.prefill_write("thief", [dst[1]], thief)
+    pair.decode._reported.clear()  # report again: once per instance, detector and kind
+    (after,) = pair.decode.check_step(ticket)
+    assert named(after) == {"thief": 1}
+
+
+def test_flipped_bit_names_no_source(pair: Pair) -> None:
+    warm(pair)
+    dst, ticket = pair.reserve("flip", 5)
+    _, seal = pair.prefill_write("flip", dst, ticket)
+    pair.dpool.page(dst[3])[-1][-1] ^= 0x01
+    (verdict,) = pair.decode.verify_admit(ticket, seal)
+    assert verdict.kind == "digest" and verdict.sources == ()  # its own pages, corrupted
+
+
+def test_misrouted_transfer_names_the_pages_earlier_users() -> None:
+    pair = Pair.build("mha", torch.bfloat16)
+    warm(pair)
+    dst, ticket = pair.reserve("mine", 3)
+    truth = pair.exposed(dst, "mine")
+    other, other_ticket = pair.reserve("other", 3)
+    _, seal = pair.prefill_write("mine", other, other_ticket)
+    by_kind = {v.kind: v for v in pair.decode.verify_admit(ticket, seal)}
+    assert truth
+    for kind in ("unwritten_page", "stale_tag", "digest"):
+        assert named(by_kind[kind]) == truth
+
+
+def test_the_top_sixteen_sources_are_named_and_the_rest_counted() -> None:
+    pair = Pair.build("mha", torch.bfloat16, pages=64)
+    for i in range(20):  # 20 users, users 0-3 with 3 pages, the others 2 and 1
+        count = 3 if i < 4 else (2 if i < 10 else 1)
+        pages, _, _ = pair.clean_request(f"u{i:02d}", count)
+        pair.free("decode", pages)
+    pages = [p for p in range(64) if p in pair.holder]
+    for page in pages:
+        pair.decode_free.remove(page)
+    pair.decode.on_alloc(pages, "reader")
+    ticket = pair.decode.on_reserve("reader", pages)
+    assert ticket is not None
+    (verdict, *_) = pair.decode.verify_admit(ticket, None)
+    truth = sorted(pair.exposed(pages, "reader").items(), key=lambda kv: (-kv[1], kv[0]))
+    assert len(truth) > MAX_EVENT_SOURCES and truth[0][1] > truth[-1][1]
+    assert [(s.request_id, s.pages) for s in verdict.sources] == truth[:MAX_EVENT_SOURCES]
+    rest = truth[MAX_EVENT_SOURCES:]
+    assert verdict.other_sources == len(rest)
+    assert verdict.other_source_pages == sum(count for _, count in rest)
+
+
+def test_a_forgotten_writer_is_unattributed_never_misnamed() -> None:
+    pair = Pair.build("mha", torch.bfloat16)
+    pair.decode.requests.limit = 2  # remember two requests only
+    pages, _, _ = pair.clean_request("early", 2)
+    pair.free("decode", pages)
+    for i in range(3):  # later requests push "early" out of the table
+        later, _, _ = pair.clean_request(f"later-{i}", 1)
+        pair.free("decode", later)
+    for page in pages:
+        pair.decode_free.remove(page)
+    pair.decode.on_alloc(pages, "reader")
+    ticket = pair.decode.on_reserve("reader", pages)
+    assert ticket is not None
+    (verdict, *_) = pair.decode.verify_admit(ticket, None)
+    assert verdict.sources == () and verdict.detail["unattributed_pages"] == 2
+
+
+def test_the_seal_names_the_residue_of_a_partly_written_last_page() -> None:
+    """Prefill wrote 1 token into a page whose other rows hold an earlier request's KV; the
+    reader reads past the sealed page, so it reads that tail: its holder is a source."""
+    pair = Pair.build("mha", torch.bfloat16)
+    src, _ = pair.alloc("prefill", 2, "earlier")
+    fill(pair.ppool, src, pair.rng)
+    pair.prefill.seal("earlier", src, tokens=8)  # two full pages of 4 tokens
+    pair.free("prefill", src)
+    dst, ticket = pair.reserve("rejected", 4)
+    pair.prefill_free.remove(src[1])
+    assert pair.prefill.on_alloc(src[1:], "rejected") == []
+    fill(pair.ppool, src[1:], pair.rng)  # (the whole page: only its bytes' holder matters)
+    seal = pair.prefill.seal("rejected", src[1:], tokens=1)
+    assert seal is not None and seal.residue == (("earlier", ""),)
+    assert Seal.from_wire(seal.to_wire()) == seal
+    assert seal.run(0, 1).residue == seal.residue  # a run to the end keeps it
+    pair.dpool.mark_written(dst[:1], ticket.tags[:1])
+    by_kind = {v.kind: v for v in pair.decode.verify_admit(ticket, seal)}
+    assert named(by_kind["page_count"]) == {"earlier": 1}
+    assert named(by_kind["stale_tag"]) == {}  # decode's pages were fresh
+    full = pair.prefill.seal("third", src[1:], tokens=4)  # a full page leaves no residue
+    assert full is not None and full.residue == ()
+    partial = pair.prefill.seal("fourth", src[1:], tokens=3)
+    assert partial is not None and partial.residue == (("third", ""),)
+
+
+def test_decode_own_pages_name_their_request(pair: Pair) -> None:
+    """Pages decode allocates for a request's own tokens (``extend``) are that request's."""
+    dst, ticket, _ = pair.clean_request("talker", 2)
+    grown, verdicts = pair.alloc("decode", 2, "talker")
+    assert verdicts == []
+    pair.decode.extend(ticket, grown)
+    fill(pair.dpool, grown, pair.rng)  # its generated tokens
+    pair.holder.update(dict.fromkeys(grown, "talker"))
+    assert pair.decode.check_step(ticket) == []
+    pair.free("decode", [*dst, *grown])
+    for page in grown:
+        pair.decode_free.remove(page)
+    pair.decode.on_alloc(grown, "reader")
+    reader = pair.decode.on_reserve("reader", grown)
+    assert reader is not None
+    (verdict, *_) = pair.decode.verify_admit(reader, None)
+    assert named(verdict) == {"talker": 2} == pair.exposed(grown, "reader")
+    assert [s.instance for s in verdict.sources] == [ticket.instance]
+
+
+def test_the_last_writer_is_remembered_through_unwritten_reuses(pair: Pair) -> None:
+    """A page written by one request, then handed out three times and never written again:
+    its KV is still that request's, and each reader is told so."""
+    dst, _, _ = pair.clean_request("writer", 1)
+    pair.free("decode", dst)
+    for i in range(4):
+        pair.decode_free.remove(dst[0])
+        pair.decode.on_alloc(dst, f"reader-{i}")
+        ticket = pair.decode.on_reserve(f"reader-{i}", dst)
+        assert ticket is not None
+        (verdict, *_) = pair.decode.verify_admit(ticket, None)
+        assert named(verdict) == {"writer": 1}, i
+        pair.free("decode", dst)

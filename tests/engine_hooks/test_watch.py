@@ -42,13 +42,29 @@ def test_events_counters_and_gauges_reach_the_spool(tmp_path: Path) -> None:
 
 def test_no_kv_bytes_in_the_spool(tmp_path: Path) -> None:
     pair = Pair.build("mla", torch.bfloat16, spool=tmp_path)
-    dst, ticket = pair.reserve("r", 3)
+    for i in range(3):  # earlier users, whose KV the reader then reads: sources are named
+        pages, _, _ = pair.clean_request(f"user-{i}", 8)
+        pair.free("decode", pages)
+    dst, ticket = pair.reserve("r", 6)
     _, seal = pair.prefill_write("r", dst, ticket, written=1)
     pair.decode.verify_admit(ticket, seal)
     pair.decode.close()
     pair.prefill.close()
     raw = b"".join(p.read_bytes() for p in tmp_path.glob("*.kvs"))
-    assert pair.dpool.page_views[0][dst[0]][:32].numpy().tobytes() not in raw
+    for page in dst:  # neither the reader's KV nor the users' KV it read
+        assert pair.dpool.page_views[0][page][16:48].numpy().tobytes() not in raw
+    events = read_spool(tmp_path).events(request_id="r")
+    assert events and all(e["sources"] for e in events)
+    for event in events:  # a source is a request id, its instance, a page count, a time
+        for source in event["sources"]:
+            assert set(source) <= {"request_id", "instance", "pages", "written_at"}
+            assert source["request_id"].startswith("user-")
+            assert isinstance(source["pages"], int) and isinstance(source["written_at"], float)
+        assert set(event) - {"sources"} <= {
+            "v", "type", "producer", "seq", "ts", "detector", "kind", "mode", "action",
+            "request_id", "pages", "pages_total", "detail", "instance", "other_sources",
+            "other_source_pages",
+        }  # fmt: skip
     for record in read_spool(tmp_path).records:
         text = json.dumps(record)
         assert "tensor" not in text
