@@ -149,11 +149,14 @@ def test_the_incident_names_exactly_the_exposed_requests(start: Any, kind: str) 
 
 
 @pytest.mark.skipif(FIXED, reason="this release retires a rejected request at the decode door")
-def test_a_rejected_request_admitted_at_the_door_names_whose_kv_it_got(start: Any) -> None:
+@pytest.mark.parametrize("scrub", ["off", "on_free", "on_reserve"])
+def test_a_rejected_request_admitted_at_the_door_names_whose_kv_it_got(
+    start: Any, scrub: str
+) -> None:
     """v0.5.19: SGLang's decode door admits a request already rejected (``to_finish`` set, its
     prompt cut to one token); its prefill, rejected too, wrote nothing; decode reserved a page
-    another user's KV is still in, and admits it."""
-    rt = start()
+    another user's KV is still in, and admits it. With scrub, the page holds zeros instead."""
+    rt = start(scrub)
     with Bed(page_size=PAGE, radix=False) as bed:
         owners = serve_users(bed)
         req = bed.request("rejected-2", list(range(1, 200)))
@@ -162,10 +165,14 @@ def test_a_rejected_request_admitted_at_the_door_names_whose_kv_it_got(start: An
         bed.reserve(req)
         (page,) = bed.dst_pages(req)
         bed.transfer(req, written=0)
+        leaked = any(part.any() for part in kv_bytes(bed, page))
         bed.admit([req])
         events = sgl.spool(rt).events(request_id=req.rid, detector="canary")
         assert [(e["kind"], e["pages"]) for e in events] == [("unwritten_page", [page])]
-        assert sources(events[0]) == {owners[page][0]: 1}
+        if scrub == "off":
+            assert leaked and sources(events[0]) == {owners[page][0]: 1}
+        else:
+            assert not leaked and sources(events[0]) == {}
 
 
 def test_pages_nobody_wrote_name_no_source(start: Any) -> None:
