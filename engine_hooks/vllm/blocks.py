@@ -61,16 +61,21 @@ class BlockLedger:
 
     def allocated(self, blocks: list[Any]) -> None:
         ids = [b.block_id for b in blocks]
-        # A cached block handed out again was evicted from the prefix cache just now: that is
-        # when it really returned to the free list (scrub on_free zeroes it then).
-        evicted = [b for b in ids if b in self.cached]
-        if evicted:
-            self.cached.difference_update(evicted)
-            self.events.append(BlockEvent("free", evicted))
+        self.evicted(ids)
         for block_id in ids:
             self.generation[block_id] += 1
         if ids:
             self.events.append(BlockEvent("alloc", ids))
+
+    def evicted(self, ids: list[int]) -> None:
+        """A cached block handed out again was evicted from the prefix cache just now: that is
+        when it really returned to the free list (scrub on_free zeroes it then)."""
+        if not self.cached:
+            return
+        evicted = [b for b in ids if b in self.cached]
+        if evicted:
+            self.cached.difference_update(evicted)
+            self.events.append(BlockEvent("free", evicted))
 
     def freed(self, blocks: list[Any]) -> None:
         # Only blocks of this pool that really reached the free list, unhashed (not cached);
