@@ -28,7 +28,9 @@ end-to-end generated tokens/s of minipd with ``--kvwatch log`` and ``--kvwatch-s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import io
 import random
 import statistics
 import tempfile
@@ -159,11 +161,12 @@ def delta(before: dict[str, Any], after: dict[str, Any], role: str, name: str) -
     return float(after[role][name]) - float(before[role][name])
 
 
-def request_hooks(prompt: int, page_size: int, requests: int) -> None:
+def request_hooks(prompt: int, page_size: int, requests: int, scrub: str = "off") -> float:
     """Host CPU of every hook over one request's life in minipd's shapes (2 layers of K and V,
     head_dim 128, fp32, CPU tensors, log mode): prefill ``on_alloc``, ``seal``, ``on_free``;
     decode ``on_alloc``, ``on_reserve``, ``verify_admit``, ``on_free``. Baseline, in the same
-    loop: the whole-page copy of the same KV from prefill's pool into decode's (the transfer)."""
+    loop: the whole-page copy of the same KV from prefill's pool into decode's (the transfer).
+    Returns the hooks' ms per request."""
     import torch
 
     from engine_hooks import KVWatch, PagedKVPool
@@ -178,8 +181,8 @@ def request_hooks(prompt: int, page_size: int, requests: int) -> None:
         )
 
     src_pool, dst_pool = pool(), pool()
-    prefill = KVWatch(src_pool, role="prefill", engine="bench", mode="log")
-    decode = KVWatch(dst_pool, role="decode", engine="bench", mode="log")
+    prefill = KVWatch(src_pool, role="prefill", engine="bench", mode="log", scrub=scrub)
+    decode = KVWatch(dst_pool, role="decode", engine="bench", mode="log", scrub=scrub)
     prefill.on_free(list(range(num_pages)))
     decode.on_free(list(range(num_pages)))
     total = copy = 0.0
@@ -206,13 +209,33 @@ def request_hooks(prompt: int, page_size: int, requests: int) -> None:
             total += time.thread_time() - started
             copy += copied
     hooks = total - copy
-    print(
-        f"hooks over a {prompt}-token request's life ({need} pages of {page_size} tokens): "
-        f"{1e3 * hooks / requests:.2f} ms host CPU per request; the page copy itself "
-        f"{1e3 * copy / requests:.2f} ms ({hooks / copy:.2f}x the copy)"
-    )
+    if scrub == "off":
+        print(
+            f"hooks over a {prompt}-token request's life ({need} pages of {page_size} tokens): "
+            f"{1e3 * hooks / requests:.2f} ms host CPU per request; the page copy itself "
+            f"{1e3 * copy / requests:.2f} ms ({hooks / copy:.2f}x the copy)"
+        )
     prefill.close()
     decode.close()
+    return 1e3 * hooks / requests
+
+
+def request_hooks_scrub(prompt: int, page_size: int, requests: int, rounds: int) -> None:
+    """:func:`request_hooks` with each scrub, interleaved rounds: the scrub's own host CPU per
+    request (best round of each), against the hooks with scrub off."""
+    best = {"off": 1e9, "on_free": 1e9, "on_reserve": 1e9}
+    for _ in range(rounds):
+        for scrub in list(best):
+            with contextlib.redirect_stdout(io.StringIO()):
+                best[scrub] = min(best[scrub], request_hooks(prompt, page_size, requests, scrub))
+    print(
+        f"scrub over a {prompt}-token request's life, host CPU per request, best of {rounds} "
+        f"interleaved rounds: hooks with scrub off {best['off']:.2f} ms; "
+        + "; ".join(
+            f"{m} {best[m]:.2f} ms (scrub {best[m] - best['off']:+.2f} ms)"
+            for m in ("on_free", "on_reserve")
+        )
+    )
 
 
 def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int, rounds: int) -> None:
@@ -282,8 +305,9 @@ def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int, ro
 
 def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: int) -> None:
     """The hooks' scrub (``PageState.scrub``: scattered pages, every buffer; on a GPU one
-    Triton launch) against a plain memset, ``zero_()`` of a contiguous run of the same number
-    of pages in every buffer, interleaved rounds; bytes per second, best round of each."""
+    Triton launch) against a plain memset: ``zero_()`` of a contiguous run of as many pages in
+    every buffer (the bandwidth floor), and ``zero_()`` of the same pages one at a time;
+    interleaved rounds, bytes per second, best round of each."""
     import torch
 
     from engine_hooks import PagedKVPool
@@ -314,10 +338,15 @@ def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: in
         for view in pool.page_views:
             view[at : at + batch].zero_()
 
-    best = {"scrub": 0.0, "memset": 0.0}
+    def per_page(i: int) -> None:  # the same pages, one zero_() each
+        for view in pool.page_views:
+            for page in runs[i % len(runs)]:
+                view[page].zero_()
+
+    best = {"scrub": 0.0, "memset": 0.0, "per_page": 0.0}
     nbytes = batch * pool.page_bytes
     for _ in range(rounds):
-        for name, fn in (("scrub", scrub), ("memset", memset)):
+        for name, fn in (("scrub", scrub), ("memset", memset), ("per_page", per_page)):
             fn(0)  # warm (a first launch compiles the kernel)
             sync()
             reps = 20
@@ -332,9 +361,10 @@ def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: in
     print(
         f"scrub of {batch} scattered pages ({nbytes / 2**20:.1f} MiB, {2 * layers} buffers, "
         f"{device}, {how}): "
-        f"{best['scrub'] / 1e9:.2f} GB/s; memset of as many pages (zero_(), contiguous): "
-        f"{best['memset'] / 1e9:.2f} GB/s; ratio {best['scrub'] / best['memset']:.2f}x "
-        f"(best of {rounds} interleaved rounds)"
+        f"{best['scrub'] / 1e9:.2f} GB/s; memset of as many contiguous pages (zero_()): "
+        f"{best['memset'] / 1e9:.2f} GB/s, ratio {best['scrub'] / best['memset']:.2f}x; "
+        f"zero_() of the same pages one by one: {best['per_page'] / 1e9:.2f} GB/s, ratio "
+        f"{best['scrub'] / best['per_page']:.2f}x (best of {rounds} interleaved rounds)"
     )
 
 
@@ -353,16 +383,16 @@ def scrub_throughput(args: argparse.Namespace, items: list[tuple[str, int]]) -> 
             )
     print(f"\nscrub, --kvwatch log, per-round ratio to scrub off, median (range) of "
           f"{args.scrub_rounds} rounds")  # fmt: skip
-    for label, attr in (("generated tokens/s (wall)", "tokens_per_s"),
-                        ("CPU us per generated token", "cpu_us_per_token")):  # fmt: skip
-        cells = []
-        for m in modes[1:]:
-            pairs = zip(runs[m], runs["off"], strict=True)
-            ratios = [getattr(r, attr) / getattr(o, attr) for r, o in pairs]
-            cells.append(
-                f"{m} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
-            )
-        print(f"{label:<44}" + "   ".join(cells))
+    print_round_ratios(runs, modes[1:])
+    # Wall ratios swing by 10-30% on a shared machine; the scrub's own cost is the extra time
+    # inside the hooks (which do the scrub) per generated token, against off's CPU per token.
+    base_hooks = statistics.median(r.hook_us_per_token for r in runs["off"])
+    base_cpu = statistics.median(r.cpu_us_per_token for r in runs["off"])
+    cells = []
+    for m in modes[1:]:
+        extra = statistics.median(r.hook_us_per_token for r in runs[m]) - base_hooks
+        cells.append(f"{m} {extra:+.2f} us ({100 * extra / base_cpu:+.3f}% of off's CPU)")
+    print(f"{'time inside hooks per token vs scrub off':<44}" + "   ".join(cells))
 
 
 def main() -> int:
@@ -392,6 +422,7 @@ def main() -> int:
         args.batch, args.batch_context, args.page_size, args.batch_steps, args.batch_rounds
     )
     scrub_bandwidth(args.device, 4096, args.scrub_pages, 5, args.layers)
+    request_hooks_scrub(4000, args.page_size, 10, 3)
     items = workload(args.seed, args.requests, args.min_words, args.max_words)
     if args.scrub_rounds:
         scrub_throughput(args, items)
@@ -448,17 +479,22 @@ def main() -> int:
     print(f"{'per-step hooks, host us per running request':<44}{per_request}")
     # Ratios paired within a round (the same minutes of a shared machine), then the median.
     print(f"\nper-round ratio to off, median (range) of {args.rounds} rounds")
+    print_round_ratios(runs, MODES[1:])
+    return 0
+
+
+def print_round_ratios(runs: dict[str, list[Run]], modes: tuple[str, ...]) -> None:
+    """Each mode's ratio to ``off`` paired within a round, median (range) over the rounds."""
     for label, attr in (("generated tokens/s (wall)", "tokens_per_s"),
                         ("CPU us per generated token", "cpu_us_per_token")):  # fmt: skip
         cells = []
-        for m in MODES[1:]:
+        for m in modes:
             pairs = zip(runs[m], runs["off"], strict=True)
             ratios = [getattr(r, attr) / getattr(o, attr) for r, o in pairs]
             cells.append(
                 f"{m} {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
             )
         print(f"{label:<44}" + "   ".join(cells))
-    return 0
 
 
 if __name__ == "__main__":

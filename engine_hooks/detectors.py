@@ -25,6 +25,8 @@ from kvspool.catalogue import DETECTOR, KIND, SKIP_REASON, unsafe_band
 from kvspool.records import Source
 
 _MODE_OFF = SKIP_REASON.check("mode_off")
+# Requests a seal may name as the residue of its last page (one, but a peer's list is capped).
+_MAX_RESIDUE = 16
 
 #: (request id, page count) per consecutive run of a check's pages, or a callable giving them.
 Owners = list[tuple[str, int]] | Callable[[], list[tuple[str, int]]]
@@ -93,7 +95,12 @@ class Seal:
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> Seal:
         pages = tuple(int(d) for d in data.get("pages") or ())
-        residue = tuple((str(r[0]), str(r[1])) for r in data.get("residue") or ())
+        # A peer's residue names requests only: malformed entries are dropped, at most 16 kept.
+        residue = tuple(
+            (str(r[0])[:128], str(r[1])[:128])
+            for r in (data.get("residue") or ())[:_MAX_RESIDUE]
+            if isinstance(r, list | tuple) and len(r) == 2
+        )
         return cls(int(data["page_count"]), int(data["digest"]), pages, residue)
 
     def run(self, start: int, count: int) -> Seal:

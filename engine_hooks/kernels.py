@@ -1,5 +1,6 @@
-"""Triton kernels for the page checks on an accelerator: the seal, the page-tag compare and the
-canary stamps, each one launch over every page of a call.
+"""Triton kernels for the page checks on an accelerator: the seal, the page-tag compare, the
+canary stamps, the holder rotation of an allocation and the scrub's zero fill, each one launch
+over every page of a call.
 
 The seal reads each byte of the sealed pages once, straight from the page table: program ``k``
 takes one chunk of one page of one buffer (buffers outer, pages in page-table order, the order
@@ -134,6 +135,39 @@ if triton is not None:
             tl.store(dst + start + idx, zero, mask=start + idx < n)
 
     @triton.jit
+    def _bump_kernel(
+        generation,  # int64 [pool pages]
+        written,  # int64 [pool pages]: the tag store
+        holders,  # int64 [pool pages, SLOTS, FIELDS] (pagestate's holder slots)
+        pages,  # int64 [count], distinct
+        owner,
+        now_ms,
+        count,
+        SLOTS: tl.constexpr,
+        FIELDS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ) -> None:
+        # pagestate.DevicePages.bump in one launch: slots are CURRENT, PREVIOUS, WRITER and
+        # fields KEY, GEN, AT_MS, in that order.
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < count
+        p = tl.load(pages + i, mask=mask, other=0)
+        w = tl.load(written + p, mask=mask, other=0)
+        base = holders + p * (SLOTS * FIELDS)
+        last = (w != 0) & (w == tl.load(base + FIELDS + 1, mask=mask, other=0))
+        for f in tl.static_range(FIELDS):
+            current = tl.load(base + f, mask=mask, other=0)
+            previous = tl.load(base + FIELDS + f, mask=mask, other=0)
+            writer = tl.load(base + 2 * FIELDS + f, mask=mask, other=0)
+            tl.store(base + 2 * FIELDS + f, tl.where(last, previous, writer), mask=mask)
+            tl.store(base + FIELDS + f, current, mask=mask)
+        gen = tl.load(generation + p, mask=mask, other=0) + 1
+        tl.store(generation + p, gen, mask=mask)
+        tl.store(base, p * 0 + owner, mask=mask)
+        tl.store(base + 1, gen, mask=mask)
+        tl.store(base + 2, p * 0 + now_ms, mask=mask)
+
+    @triton.jit
     def _tags_kernel(
         generation, written, pages, expected, stale, count, BLOCK: tl.constexpr
     ) -> None:
@@ -264,6 +298,25 @@ def scrub(tables: PageTables, pages: torch.Tensor) -> None:
             BLOCK=SEAL_BLOCK,
             ALIGNED=tables.aligned,
         )
+
+
+def bump(
+    generation: torch.Tensor,
+    written: torch.Tensor,
+    holders: torch.Tensor,
+    pages: torch.Tensor,
+    owner: int,
+    now_ms: int,
+) -> None:
+    """New generations for distinct pages, given to ``owner``, holder slots rotated (one
+    launch, no sync; see :meth:`engine_hooks.pagestate.DevicePages.bump`)."""
+    if pages.numel():
+        slots, fields = holders.shape[1], holders.shape[2]
+        grid = (triton.cdiv(pages.numel(), CHECK_BLOCK),)
+        _bump_kernel[grid](
+            generation, written, holders, pages, owner, now_ms, pages.numel(),
+            SLOTS=slots, FIELDS=fields, BLOCK=CHECK_BLOCK,
+        )  # fmt: skip
 
 
 def stale_tags(

@@ -125,6 +125,14 @@ class DevicePages:
     def bump(self, pages: Ints, owner: int = UNKNOWN, now: float = 0.0) -> None:
         """A new generation for each page (distinct pages), given to ``owner``."""
         index = torch.as_tensor(pages)
+        if self.kernels:  # one launch instead of a dozen: this runs as decode grows
+            from engine_hooks.kernels import bump
+
+            bump(
+                self.generation, self.written, self.holders, self._on_device(index), owner,
+                _ms(now),
+            )  # fmt: skip
+            return
         rows = self.holders.index_select(0, index)
         written = self.written.index_select(0, index)
         last = (written != 0) & (written == rows[:, PREVIOUS, GEN])  # its write was the last
@@ -355,10 +363,22 @@ class HostPages:
 
     def scrub(self, pages: Ints) -> None:
         ids = np.asarray(self._ints(pages), dtype=np.int64)
-        for rows in self.page_rows:
-            rows[ids] = 0
-        for p in ids.tolist():
-            self.written[p] = 0
+        if not ids.size:
+            return
+        # Runs of consecutive ids (a free list hands out and takes back runs) as one memset
+        # each: ~3x the bandwidth of a gather-scatter over the same rows.
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        if len(breaks) < ids.size // 4:
+            starts = np.concatenate(([0], breaks)).tolist()
+            ends = np.concatenate((breaks, [ids.size])).tolist()
+            first = ids.tolist()
+            for rows in self.page_rows:
+                for a, b in zip(starts, ends, strict=True):
+                    rows[first[a] : first[a] + b - a] = 0
+        else:
+            for rows in self.page_rows:
+                rows[ids] = 0
+        self.written_np[ids] = 0
 
     def scrub_tail(self, page: int, used: int) -> None:
         for rows, start in zip(self.page_rows, _tail_starts(self.pool, used), strict=True):

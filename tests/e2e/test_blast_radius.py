@@ -1,8 +1,8 @@
 """The incident, with the other side named: minipd as 0.5.19, sixteen users plant codes, the
 over-length prompt reads their stale pages and leaks some codes; kvwatch's events name the
 requests whose KV the reader held, checked against minipd's own record of page ownership.
-With scrub on (on_free, on_reserve) the essay's marker check leaks nothing and the detectors
-still fire."""
+With scrub on (on_free, on_reserve) the incident's marker check (docs/incident.md) leaks
+nothing and the detectors still fire."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.server import MiniPD
+from tests.e2e.test_faults import PROMPT, SMALL, late_write_run, rids
 from tests.e2e.test_incident_marker_check import (
     FILLER_WORDS,
     POOLS,
@@ -93,7 +94,7 @@ def test_0_5_19_events_name_the_exposed_requests_and_no_other(tmp_path: Path) ->
 def test_0_5_19_scrub_leaks_nothing_and_detectors_still_fire(tmp_path: Path, scrub: str) -> None:
     args = ["--release", "0.5.19", *POOLS, "--kvwatch-scrub", scrub]
     with MiniPD(args, tmp_path, kvwatch="log") as pd:
-        status, prompt_tokens, leaked, _ = run_check(pd, tmp_path)  # the essay's script
+        status, prompt_tokens, leaked, _ = run_check(pd, tmp_path)  # the marker check as printed
         reader = long_request_id(pd)
         truth = ground_truth(pd, reader)
         spool = pd.read_spool()
@@ -104,3 +105,24 @@ def test_0_5_19_scrub_leaks_nothing_and_detectors_still_fire(tmp_path: Path, scr
     assert EXPOSING | {("admission", "aborted_admitted")} <= events.keys()  # still paged
     for kind in EXPOSING:
         assert events[kind]["sources"] == [] and events[kind]["other_sources"] == 0
+
+
+def test_late_write_into_free_pages_names_the_aborted_writer(tmp_path: Path) -> None:
+    """Decode gives up on a transfer and frees its pages; prefill's write lands afterwards: the
+    canary finding at the next allocation names the aborted request, whose KV it is."""
+    pd, _ = late_write_run(tmp_path, "off")
+    aborted = rids(pd)[0]
+    found = [e for e in pd.read_spool().events() if e["kind"] == "write_to_free_page"]
+    assert found
+    for event in found:
+        assert event["request_id"] != aborted
+        assert named(event) and set(named(event)) == {aborted}
+        assert sum(named(event).values()) == len(event["pages"])
+
+
+def test_bit_flip_names_no_source(tmp_path: Path) -> None:
+    """A corrupted transfer into the reader's own pages exposes nobody else's KV."""
+    with MiniPD(["--fault-bit-flip", "1", *SMALL], tmp_path, kvwatch="log") as pd:
+        status, _ = pd.generate(PROMPT, 4)
+    (event,) = pd.read_spool().events()
+    assert status == 200 and event["kind"] == "digest" and event["sources"] == []

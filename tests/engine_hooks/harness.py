@@ -147,21 +147,16 @@ class Pair:
         spool: Path | None = None,
         scrub: Scrub | str = Scrub.OFF,
     ) -> Pair:
-        d = KVWatch(
-            make_pool(kind, dtype, pages),
-            role="decode",
-            engine="minipd",
-            mode=mode,
-            spool=spool,
-            scrub=scrub,
-        )
-        p = KVWatch(
-            make_pool(kind, dtype, pages),
-            role="prefill",
-            engine="minipd",
-            mode=mode,
-            spool=spool,
-            scrub=scrub,
+        d, p = (
+            KVWatch(
+                make_pool(kind, dtype, pages),
+                role=role,
+                engine="minipd",
+                mode=mode,
+                spool=spool,
+                scrub=scrub,
+            )
+            for role in ("decode", "prefill")
         )
         pair = cls(d, p, list(range(pages)), list(range(pages)))
         d.on_free(pair.decode_free)
@@ -214,6 +209,23 @@ class Pair:
         seal = self.prefill.seal(rid, src)
         self.free("prefill", src)
         return src, seal
+
+    def take(self, pages: Sequence[int], rid: str) -> Ticket:
+        """Decode hands these free pages to ``rid``: allocated and reserved (not written)."""
+        for page in pages:
+            self.decode_free.remove(page)
+        assert self.decode.on_alloc(pages, rid) == []
+        ticket = self.decode.on_reserve(rid, pages)
+        assert ticket is not None
+        return ticket
+
+    def reuse(self, pages: Sequence[int], rid: str) -> Ticket:
+        """Pages freed by one request, taken by ``rid`` and written for it, cleanly."""
+        self.free("decode", pages)
+        ticket = self.take(pages, rid)
+        _, seal = self.prefill_write(rid, pages, ticket)
+        assert self.decode.verify_admit(ticket, seal) == []
+        return ticket
 
     def late_write(self, rid: str, pages: Sequence[int], tags: Sequence[int]) -> None:
         """A transfer of ``rid``'s lands late in decode's pages, with the tags it was given."""

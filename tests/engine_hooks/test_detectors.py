@@ -129,14 +129,7 @@ def test_page_reallocated_under_running_request(pair: Pair) -> None:
 
 def test_late_write_into_page_of_new_owner(pair: Pair) -> None:
     old, old_ticket, _ = pair.clean_request("old", 2)
-    pair.free("decode", old)
-    for page in old:
-        pair.decode_free.remove(page)
-    assert pair.decode.on_alloc(old, "new") == []
-    new_ticket = pair.decode.on_reserve("new", old)
-    assert new_ticket is not None
-    _, seal = pair.prefill_write("new", old, new_ticket)
-    assert pair.decode.verify_admit(new_ticket, seal) == []
+    new_ticket = pair.reuse(old, "new")
     # The old transfer's late write lands with the old generation.
     pair.dpool.page(old[0])[0].fill_(3)
     pair.dpool.mark_written(old[:1], old_ticket.tags[:1])
@@ -285,14 +278,7 @@ def test_late_write_into_free_page_names_its_writer(pair: Pair) -> None:
 
 def test_late_write_after_reuse_names_the_late_writer(pair: Pair) -> None:
     old, old_ticket, _ = pair.clean_request("old", 2)
-    pair.free("decode", old)
-    for page in old:
-        pair.decode_free.remove(page)
-    assert pair.decode.on_alloc(old, "new") == []
-    new_ticket = pair.decode.on_reserve("new", old)
-    assert new_ticket is not None
-    _, seal = pair.prefill_write("new", old, new_ticket)
-    assert pair.decode.verify_admit(new_ticket, seal) == []
+    new_ticket = pair.reuse(old, "new")
     pair.late_write("old", old[:1], old_ticket.tags[:1])  # the old transfer, with its tags
     (verdict,) = pair.decode.check_step(new_ticket)
     assert verdict.kind == "stale_tag" and named(verdict) == {"old": 1}
@@ -342,11 +328,7 @@ def test_the_top_sixteen_sources_are_named_and_the_rest_counted() -> None:
         pages, _, _ = pair.clean_request(f"u{i:02d}", count)
         pair.free("decode", pages)
     pages = [p for p in range(64) if p in pair.holder]
-    for page in pages:
-        pair.decode_free.remove(page)
-    pair.decode.on_alloc(pages, "reader")
-    ticket = pair.decode.on_reserve("reader", pages)
-    assert ticket is not None
+    ticket = pair.take(pages, "reader")
     (verdict, *_) = pair.decode.verify_admit(ticket, None)
     truth = sorted(pair.exposed(pages, "reader").items(), key=lambda kv: (-kv[1], kv[0]))
     assert len(truth) > MAX_EVENT_SOURCES and truth[0][1] > truth[-1][1]
@@ -364,11 +346,7 @@ def test_a_forgotten_writer_is_unattributed_never_misnamed() -> None:
     for i in range(3):  # later requests push "early" out of the table
         later, _, _ = pair.clean_request(f"later-{i}", 1)
         pair.free("decode", later)
-    for page in pages:
-        pair.decode_free.remove(page)
-    pair.decode.on_alloc(pages, "reader")
-    ticket = pair.decode.on_reserve("reader", pages)
-    assert ticket is not None
+    ticket = pair.take(pages, "reader")
     (verdict, *_) = pair.decode.verify_admit(ticket, None)
     assert verdict.sources == () and verdict.detail["unattributed_pages"] == 2
 
@@ -409,11 +387,7 @@ def test_decode_own_pages_name_their_request(pair: Pair) -> None:
     pair.holder.update(dict.fromkeys(grown, "talker"))
     assert pair.decode.check_step(ticket) == []
     pair.free("decode", [*dst, *grown])
-    for page in grown:
-        pair.decode_free.remove(page)
-    pair.decode.on_alloc(grown, "reader")
-    reader = pair.decode.on_reserve("reader", grown)
-    assert reader is not None
+    reader = pair.take(grown, "reader")
     (verdict, *_) = pair.decode.verify_admit(reader, None)
     assert named(verdict) == {"talker": 2} == pair.exposed(grown, "reader")
     assert [s.instance for s in verdict.sources] == [ticket.instance]
@@ -425,10 +399,13 @@ def test_the_last_writer_is_remembered_through_unwritten_reuses(pair: Pair) -> N
     dst, _, _ = pair.clean_request("writer", 1)
     pair.free("decode", dst)
     for i in range(4):
-        pair.decode_free.remove(dst[0])
-        pair.decode.on_alloc(dst, f"reader-{i}")
-        ticket = pair.decode.on_reserve(f"reader-{i}", dst)
-        assert ticket is not None
+        ticket = pair.take(dst, f"reader-{i}")
         (verdict, *_) = pair.decode.verify_admit(ticket, None)
         assert named(verdict) == {"writer": 1}, i
         pair.free("decode", dst)
+
+
+def test_a_peers_malformed_residue_is_dropped_not_raised() -> None:
+    wire = {"page_count": 1, "digest": 7, "residue": [["a", "i"], "junk", [1], ["b", ""]]}
+    assert Seal.from_wire(wire).residue == (("a", "i"), ("b", ""))
+    assert Seal.from_wire({"page_count": 1, "digest": 7, "residue": None}).residue == ()

@@ -14,3 +14,25 @@ from tests.engine_hooks.harness import backends_agree
 def test_backends_agree(dtype: torch.dtype) -> None:
     # The device backend as torch ops; as the Triton kernels in kernel_cases.py (interpreter).
     backends_agree(dtype, "mha", kernel=False, ops=400)
+
+
+def test_scrub_of_runs_and_of_scattered_pages_agree() -> None:
+    """The host backend zeroes runs of consecutive pages as slices, others by index."""
+    import random
+
+    from engine_hooks.pagestate import DevicePages, HostPages
+    from tests.engine_hooks.harness import fill, make_pool
+
+    host_pool, device_pool = (make_pool("mha", torch.bfloat16, 32) for _ in range(2))
+    host, device = HostPages(host_pool), DevicePages(device_pool, kernel=False)
+    for pages in ([3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 22, 23, 24], [30, 1, 17, 2, 9], [31]):
+        for pool in (host_pool, device_pool):
+            fill(pool, range(32), random.Random(1))
+            pool.mark_written(range(32), [5] * 32)
+        host.scrub(pages)
+        device.scrub(device.index(pages))
+        for h, d in zip(host_pool.page_views, device_pool.page_views, strict=True):
+            assert torch.equal(h, d)
+            assert not h[pages].any()
+            assert all(h[p].any() for p in range(32) if p not in pages)
+        assert torch.equal(host_pool.tag_store, device_pool.tag_store)

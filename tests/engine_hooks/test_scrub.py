@@ -94,14 +94,7 @@ def test_late_write_after_reuse(layout: tuple[str, torch.dtype], scrub: Scrub) -
     covers it (both ran before the write); the page tags catch it and name A."""
     pair = build(layout, scrub)
     old, old_ticket, _ = pair.clean_request("old", 2)
-    pair.free("decode", old)
-    for page in old:
-        pair.decode_free.remove(page)
-    assert pair.decode.on_alloc(old, "new") == []
-    ticket = pair.decode.on_reserve("new", old)
-    assert ticket is not None
-    _, seal = pair.prefill_write("new", old, ticket)
-    assert pair.decode.verify_admit(ticket, seal) == []
+    ticket = pair.reuse(old, "new")
     before = pair.dpool.page(old[0])[-1].clone()
     pair.late_write("old", old[:1], old_ticket.tags[:1])
     assert not torch.equal(pair.dpool.page(old[0])[-1], before)  # B now reads A's KV
@@ -118,12 +111,7 @@ def test_use_after_free_read_after_reallocation(
     page tags catch it at A's next step and name B."""
     pair = build(layout, scrub)
     dst, ticket, _ = pair.clean_request("running", 4)
-    pair.free("decode", dst[1:2])
-    pair.decode_free.remove(dst[1])
-    assert pair.decode.on_alloc([dst[1]], "thief") == []
-    thief = pair.decode.on_reserve("thief", [dst[1]])
-    assert thief is not None
-    pair.prefill_write("thief", [dst[1]], thief)
+    pair.reuse(dst[1:2], "thief")
     assert pair.holds_data(dst[1])  # B's KV, in A's page table
     (verdict,) = pair.decode.check_step(ticket)
     assert verdict.kind == "stale_tag" and named(verdict) == {"thief": 1}
@@ -162,10 +150,7 @@ def test_scrub_runs_with_every_detector_off(scrub: Scrub) -> None:
     pair = Pair.build("mha", torch.bfloat16, mode="off", scrub=scrub)
     pages, _, _ = pair.clean_request("user", 4)
     pair.free("decode", pages)
-    for page in pages:
-        pair.decode_free.remove(page)
-    pair.decode.on_alloc(pages, "reader")
-    pair.decode.on_reserve("reader", pages)
+    pair.take(pages, "reader")
     assert others_data(pair, pages) == []
     assert isinstance(pair.decode.state, HostPages)
     assert pair.decode.state.sources(pages)[0] == [NOBODY] * len(pages)

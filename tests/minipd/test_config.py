@@ -58,3 +58,12 @@ def test_nonsense_sizes_are_rejected_before_anything_starts(argv: list[str]) -> 
     with pytest.raises(SystemExit) as exc:
         main(["serve", *argv])
     assert exc.value.code == 2
+
+
+def test_scrub_flag_installs_the_hooks_even_with_the_detectors_off() -> None:
+    assert serve_config().kvwatch_scrub == "off" and not serve_config().kvwatch_on
+    cfg = serve_config("--kvwatch-scrub", "on_reserve")
+    assert cfg.kvwatch_scrub == "on_reserve" and cfg.kvwatch == "off" and cfg.kvwatch_on
+    assert serve_config("--kvwatch", "log", "--kvwatch-scrub", "on_free").kvwatch_scrub == "on_free"
+    with pytest.raises(SystemExit):
+        serve_config("--kvwatch-scrub", "always")

@@ -1,7 +1,7 @@
 """Case 7: privacy. minipd serves prompts that all carry a sentinel word, with the hooks in log
-mode and a prompt in the unsafe band (so detection events are written too); the sentinel, its
-token id and its token bytes never appear in the spool, the journal, the daemon's log,
-/metrics or the status page."""
+mode and a prompt in the unsafe band (so detection events are written too, naming the earlier
+requests whose KV it read as sources); the sentinel, its token id and its token bytes never
+appear in the spool, the journal, the daemon's log, /metrics or the status page."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import base64
 import urllib.request
 from pathlib import Path
 
+from engine_hooks.testing import read_spool
 from minipd import tokenizer
 from minipd.launch import generate, start, stop
 from tests.reliability.tools import DaemonProcess, wait_for
@@ -16,6 +17,7 @@ from tests.reliability.tools import DaemonProcess, wait_for
 SENTINEL = "ZqSentinel7Xv3Kp"  # one minipd token (at most 24 bytes)
 PREFILL_POOL, DECODE_POOL, CONTEXT = 4096, 16384, 8192
 PROMPTS = 12
+UNSAFE = 6
 
 
 def needles() -> dict[str, bytes]:
@@ -68,7 +70,9 @@ def test_prompt_sentinel_never_leaves_the_engine(tmp_path: Path) -> None:
     try:
         daemon.wait_started()
         for i in range(PROMPTS):
-            words = 6000 if i == 0 else 20 + i  # the first one in the unsafe band
+            # Six users fill decode's pool past its end, then one prompt in the unsafe band
+            # reads their stale pages: its events name them as sources (new fields, scanned).
+            words = 3000 if i < UNSAFE else 6000 if i == UNSAFE else 20 + i
             text = f"{SENTINEL} " + "word " * words + f"{SENTINEL} repeat {SENTINEL}."
             status, _ = generate(url, text, 8)
             assert status in (200, 400), status
@@ -76,6 +80,7 @@ def test_prompt_sentinel_never_leaves_the_engine(tmp_path: Path) -> None:
         # The segments of a live engine stay in the spool (locked): scan them as written.
         segments = [p for p in spool.rglob("*") if p.is_file()]
         assert segments
+        assert any(e["sources"] for e in read_spool(spool).events() if "sources" in e)
         for segment in segments:
             scan(f"spool {segment.name}", segment.read_bytes(), found)
         scan("/metrics", daemon.scrape().encode(), found)
