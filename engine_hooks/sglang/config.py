@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from engine_hooks.detectors import Mode
 from engine_hooks.spool import DEFAULT_SPOOL_DIR
+from engine_hooks.watch import Scrub
+
+logger = logging.getLogger("kvwatch.sglang")
 
 #: Detector names a per-detector override may name: ``KVWATCH_MODE_CANARY=enforce``.
 DETECTORS = ("canary", "checksum", "page_tag", "admission")
+#: ``KVWATCH_SCRUB`` values.
+SCRUB_MODES = tuple(s.value for s in Scrub)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +26,8 @@ class Settings:
     flush_interval: float
     step_check: bool
     role: str
+    #: When pages are overwritten so a stale read reads nothing: ``KVWATCH_SCRUB``.
+    scrub: Scrub = Scrub.OFF
 
     @property
     def off(self) -> bool:
@@ -50,6 +58,15 @@ def from_env(environ: dict[str, str] | None = None) -> Settings:
         interval = max(0.1, float(env.get("KVWATCH_FLUSH_INTERVAL", "1.0")))
     except ValueError:
         interval = 1.0
+    scrub = env.get("KVWATCH_SCRUB", "off").strip().lower() or "off"
+    if scrub not in SCRUB_MODES:
+        # One line, and the safe default: a typo must not stop the engine, nor pass unnoticed.
+        logger.error(
+            "kvwatch: KVWATCH_SCRUB=%r is not one of %s; scrub stays off",
+            scrub[:32],
+            "|".join(SCRUB_MODES),
+        )
+        scrub = Scrub.OFF
     return Settings(
         mode=mode,
         detector_modes=per,
@@ -57,4 +74,5 @@ def from_env(environ: dict[str, str] | None = None) -> Settings:
         flush_interval=interval,
         step_check=env.get("KVWATCH_STEP_CHECK", "1").strip() not in ("0", "false", "no", "off"),
         role=env.get("KVWATCH_ROLE", ""),
+        scrub=Scrub(scrub),
     )

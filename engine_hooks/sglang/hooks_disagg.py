@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from engine_hooks.detectors import Mode, Verdict
+from engine_hooks.landed import mark_landed
 from engine_hooks.sglang.guard import failed, safe
 from engine_hooks.sglang.report import log_verdicts
 from engine_hooks.sglang.runtime import Held, runtime
@@ -179,9 +180,8 @@ def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any
     ticket = watch.on_reserve(str(req.rid), pages, rt.instance_of(req))
     if ticket is None:
         return
-    # Tags do not travel with SGLang's transfer: the reservation stands for the writer.
-    if watch.state is not None:
-        watch.state.own_writes(ticket.pages)
+    # Tags do not travel with SGLang's transfer: the write is recorded at admission
+    # (mark_landed), for the pages the transfer really wrote.
     rt.keep_ticket(watch, ticket, int(prefix))
 
 
@@ -209,6 +209,30 @@ def _verify_deferred(watch: KVWatch, ticket: Ticket) -> None:
     watch._pending.extend(findings)
 
 
+def landed(watch: KVWatch, ticket: Ticket) -> None:
+    """The transfer into the request's reserved pages completed: record which pages it wrote
+    (the last writer of a page it did not write stays that page's source)."""
+    mark_landed(watch, ticket)
+
+
+def decode_pages(batch: Any, tickets: dict[int, Held]) -> None:
+    """Pages a decode step started (its token is the first of a page, in a page
+    ``alloc_decode`` took) join their request's ticket, as written by it: the step checks
+    cover them, and a later reader of the page is exposed to this request's KV. Reads the
+    batch's host-side lengths; the page ids stay where they are (no sync)."""
+    lengths = getattr(batch, "seq_lens_cpu", None)
+    slots = getattr(batch, "out_cache_loc", None)
+    if lengths is None or slots is None or not tickets:
+        return
+    for i, length in enumerate(lengths.tolist()):
+        held = tickets.get(i)
+        if held is None or held.watch.pool is None:
+            continue
+        page_size = held.watch.pool.page_size
+        if (length - 1) % page_size == 0 and i < slots.numel():
+            held.watch.extend(held.ticket, slots[i : i + 1] // page_size)
+
+
 def _enforce(req: Any, verdicts: list[Verdict]) -> None:
     if not any(v.blocks for v in verdicts):
         return
@@ -228,6 +252,7 @@ def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
         if held is None:
             continue
         watch, ticket = held.watch, held.ticket
+        landed(watch, ticket)
         pool = watch.pool
         on_device = pool is not None and not pool.is_cpu
         if on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):
@@ -286,17 +311,21 @@ def after_process_prebuilt(result: Any, batch: Any, *args: Any, **kwargs: Any) -
             _follow_row(held, rows[index])
 
 
-def check_steps(reqs: list[Any]) -> None:
-    """Per decode step: the running requests' pages still carry their generations (one
-    vectorised compare per pool; on a device, read at the next ``resolve()``)."""
+def check_steps(batch: Any) -> None:
+    """Per decode step: the pages the step started join their tickets; the running requests'
+    pages still carry their generations (one vectorised compare per pool; on a device, read at
+    the next ``resolve()``)."""
     rt = runtime()
+    reqs = list(batch.reqs)
+    held_at = {i: h for i, h in enumerate(rt.ticket(r) for r in reqs) if h is not None}
+    decode_pages(batch, held_at)
     batches: dict[int, tuple[KVWatch, list[Ticket]]] = {}
     by_instance: dict[str, Any] = {}
-    for req in reqs:
+    for i, req in enumerate(reqs):
         if req.finished():
             rt.drop_ticket(req)
             continue
-        held = rt.ticket(req)
+        held = held_at.get(i)
         if held is not None:
             batches.setdefault(id(held.watch), (held.watch, []))[1].append(held.ticket)
             by_instance[held.ticket.instance] = req
@@ -326,6 +355,6 @@ def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *a: Any,
     mode = getattr(batch, "forward_mode", None)
     is_decode = getattr(mode, "is_decode", None)
     if rt.settings.step_check and rt.tickets and callable(is_decode) and is_decode():
-        check_steps(list(batch.reqs))
+        check_steps(batch)
     for watch in list(rt.all_watches):
         log_verdicts(watch.resolve())

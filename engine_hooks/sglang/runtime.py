@@ -88,6 +88,7 @@ class Runtime:
             mode=self.settings.modes(),
             spool=spool,
             flush_interval=self.settings.flush_interval,
+            scrub=self.settings.scrub,
         )
         with self._lock:
             self.all_watches.append(watch)

@@ -4,8 +4,9 @@
 and bumped on every ``BlockPool.get_new_blocks``. ``free_blocks`` is watched for blocks whose
 reference count reached zero: those without a prefix-cache hash go back to the free list for
 reuse and are handed to the worker for a free canary; cached ones stay readable (a later prefix
-hit reads them) and are never stamped. The wrappers are bound to the one pool instance, run the
-original first, and never raise: a failure is counted and the engine goes on.
+hit reads them) and are handed over when an allocation evicts them. The wrappers are bound to
+the one pool instance, run the original first, and never raise: a failure is counted and the
+engine goes on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class BlockLedger:
     def __init__(self, num_blocks: int) -> None:
         self.generation = [0] * num_blocks
         self.events: list[BlockEvent] = []
+        #: Blocks freed while in the prefix cache: still readable, not on the free list yet.
+        self.cached: set[int] = set()
         self.errors = 0
         self.pool: Any = None
 
@@ -58,21 +61,34 @@ class BlockLedger:
 
     def allocated(self, blocks: list[Any]) -> None:
         ids = [b.block_id for b in blocks]
+        self.evicted(ids)
         for block_id in ids:
             self.generation[block_id] += 1
         if ids:
             self.events.append(BlockEvent("alloc", ids))
 
+    def evicted(self, ids: list[int]) -> None:
+        """A cached block handed out again was evicted from the prefix cache just now: that is
+        when it really returned to the free list (scrub on_free zeroes it then)."""
+        if not self.cached:
+            return
+        evicted = [b for b in ids if b in self.cached]
+        if evicted:
+            self.cached.difference_update(evicted)
+            self.events.append(BlockEvent("free", evicted))
+
     def freed(self, blocks: list[Any]) -> None:
-        # Only blocks of this pool that really reached the free list, unhashed (not cached).
-        ids = [
-            b.block_id
-            for b in blocks
-            if not b.is_null
-            and (b.pool is None or b.pool is self.pool)
-            and b.ref_cnt == 0
-            and b.block_hash is None
-        ]
+        # Only blocks of this pool that really reached the free list, unhashed (not cached);
+        # cached ones are remembered until an allocation evicts them.
+        ids = []
+        for b in blocks:
+            if b.is_null or (b.pool is not None and b.pool is not self.pool) or b.ref_cnt != 0:
+                continue
+            if b.block_hash is None:
+                ids.append(b.block_id)
+                self.cached.discard(b.block_id)
+            else:
+                self.cached.add(b.block_id)
         if ids:
             self.events.append(BlockEvent("free", ids))
 

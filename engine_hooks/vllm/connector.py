@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch
+from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch, Scrub
 from engine_hooks.guard import never_raise
 from engine_hooks.vllm.layout import kv_pool
 from engine_hooks.vllm.metadata import KVWatchMetadata
@@ -84,6 +84,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         spool = extra.get("spool", DEFAULT_SPOOL_DIR)
         self.spool_dir: str | None = str(spool) if spool else None
         self.mode: Any = extra.get("mode", "log")
+        self.scrub = _scrub(extra.get("scrub", Scrub.OFF))
         self.resolve_interval = float(extra.get("resolve_interval_s", 1.0))
         self.rank = _tp_rank(vllm_config)
         groups = kv_cache_config.kv_cache_groups
@@ -111,6 +112,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
             rank=self.rank,
             mode=self.mode,
             spool=self.spool_dir,
+            scrub=self.scrub,
         )
 
     def _start_scheduler(self, model_config: Any) -> None:
@@ -269,6 +271,18 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         return True  # kvwatch has no external hits to complete (all())
 
     # get_required_kvcache_layout: the base class's None (kvwatch reads any block-dense layout).
+
+
+def _scrub(value: Any) -> Scrub:
+    """The ``scrub`` extra-config key; any other value than off, on_free or on_reserve is one
+    error line and scrub off (a typo must neither stop the engine nor pass unnoticed)."""
+    text = str(value).strip().lower()
+    try:
+        return Scrub(text)
+    except ValueError:
+        choices = "|".join(s.value for s in Scrub)
+        logger.error("kvwatch: scrub=%r is not one of %s; scrub stays off", text[:32], choices)
+        return Scrub.OFF
 
 
 def _tp_rank(vllm_config: Any) -> int:

@@ -3,7 +3,8 @@
 
 Scheduler -> worker (:class:`KVWatchMetadata`, vLLM's ``KVConnectorMetadata``): the block pool's
 allocations and frees in the order they happened, the blocks to seal (prefill), the blocks
-reserved for a remote load and the seal they must match (decode), and the loads to verify now.
+reserved for a remote load and the seal they must match (decode), the loads to verify now, and
+the blocks this step's forward writes, per request.
 
 Worker -> scheduler (:class:`KVWatchWorkerMetadata`, vLLM's ``KVConnectorWorkerMetadata``): the
 seals a prefill worker computed this step, per request and per tensor-parallel rank. vLLM merges
@@ -45,6 +46,15 @@ class SealJob:
 
 
 @dataclass(slots=True)
+class WriteJob:
+    """This step's forward writes ``block_ids`` for the request (its own KV): they hold its
+    data from now on, which a finding on them later names."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
 class ReserveJob:
     """Decode allocated ``block_ids`` (the request's blocks past its ``local_hits`` prefix-cache
     blocks) for KV another engine computed; ``seals`` is what prefill sent (per TP rank, as
@@ -76,7 +86,8 @@ class KVWatchMetadata(KVConnectorMetadata):
     seal: list[SealJob] = field(default_factory=list)
     reserve: list[ReserveJob] = field(default_factory=list)
     verify: list[VerifyJob] = field(default_factory=list)
-    release: list[str] = field(default_factory=list)  # forget these requests' tickets
+    release: list[str] = field(default_factory=list)  # forget their tickets (and instances)
+    writes: list[WriteJob] = field(default_factory=list)
 
 
 @dataclass

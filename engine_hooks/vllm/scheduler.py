@@ -53,6 +53,7 @@ from engine_hooks.vllm.metadata import (
     SealJob,
     SealWire,
     VerifyJob,
+    WriteJob,
 )
 
 _FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -97,6 +98,11 @@ class SchedulerSide:
         self.verify: list[VerifyJob] = []
         self.release: list[str] = []
         self.skips: list[str] = []  # reasons, drained into counters by the connector
+        # Every scheduled request's blocks, and how many of them its forward already wrote
+        # (the blocks past that are the ones a step's WriteJob names).
+        self.blocks_of: dict[str, list[int]] = {}
+        self.written_upto: dict[str, int] = {}
+        self.writes: list[WriteJob] = []
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -162,23 +168,44 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in reserved_now:
                 self._loaded_in_step(new.req_id, int(new.num_computed_tokens))
+            self.blocks_of[new.req_id] = _blocks(new.block_ids) or []
+            self.written_upto[new.req_id] = 0
+            self._forward_writes(new.req_id, int(new.num_computed_tokens), scheduled)
             producer = self.producers.get(new.req_id)
             if producer is not None:
-                producer.block_ids = _blocks(new.block_ids) or []
+                producer.block_ids = self.blocks_of[new.req_id]
                 self._maybe_seal(new.req_id, producer, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for index, rid in enumerate(cached.req_ids):
+            added = cached.new_block_ids[index]
+            if added is not None:
+                ids = _blocks(added) or []
+                if rid in cached.resumed_req_ids:  # preempted: all its blocks are new
+                    self.blocks_of[rid] = ids
+                    self.written_upto[rid] = 0
+                else:
+                    self.blocks_of.setdefault(rid, []).extend(ids)
+            self._forward_writes(rid, int(cached.num_computed_tokens[index]), scheduled)
             producer = self.producers.get(rid)
             if producer is None:
                 continue
-            new_ids = cached.new_block_ids[index]
-            if new_ids is not None:
-                ids = _blocks(new_ids) or []
-                if rid in cached.resumed_req_ids:
-                    producer.block_ids = ids
-                else:
-                    producer.block_ids.extend(ids)
+            producer.block_ids = self.blocks_of.get(rid, producer.block_ids)
             self._maybe_seal(rid, producer, cached.num_computed_tokens[index], scheduled)
+
+    def _forward_writes(self, rid: str, computed: int, scheduled: dict[str, int]) -> None:
+        """The blocks this step's forward writes for ``rid`` (its tokens from ``computed`` on)
+        that it has not written before: from now on they hold its KV. Blocks a transport
+        loads are not among them (the forward starts past them); their write is recorded when
+        the load is checked."""
+        count = scheduled.get(rid, 0)
+        blocks = self.blocks_of.get(rid)
+        if not count or not blocks:
+            return
+        first = max(computed // self.block_size, self.written_upto.get(rid, 0))
+        end = min(-(-(computed + count) // self.block_size), len(blocks))
+        if first < end:
+            self.writes.append(WriteJob(rid, blocks[first:end]))
+            self.written_upto[rid] = end
 
     def _loaded_in_step(self, rid: str, computed: int) -> None:
         """A reserved request scheduled in the step that reserved it: its transport (if any)
@@ -209,9 +236,10 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: Any) -> dict[str, Any] | None:
         rid = request.request_id
-        consumer = self.consumers.pop(rid, None)
-        if consumer is not None:
-            self.release.append(rid)
+        self.blocks_of.pop(rid, None)
+        self.written_upto.pop(rid, None)
+        self.consumers.pop(rid, None)
+        self.release.append(rid)  # the worker forgets its ticket and instance
         producer = self.producers.pop(rid, None)
         if producer is None:
             return None
@@ -269,8 +297,10 @@ class SchedulerSide:
             reserve=self.reserve_jobs,
             verify=self.verify,
             release=self.release,
+            writes=self.writes,
         )
         self.seal_jobs, self.reserve_jobs, self.verify, self.release = [], [], [], []
+        self.writes = []
         return meta
 
 

@@ -9,9 +9,10 @@ therefore no place for anything that must precede the forward. So:
 
 - :meth:`WorkerSide.bind` (``bind_connector_metadata``, always before the forward and before
   every connector's ``start_load_kv``): mirror the block pool's allocations and frees (check and
-  stamp free canaries), stamp and tag the blocks reserved for another engine's KV, and verify
-  the asynchronous loads that finished in earlier steps, before this step's forward recomputes
-  the last prompt token into the last block;
+  stamp free canaries; scrub ``on_free``), stamp and tag the blocks reserved for another
+  engine's KV (scrub ``on_reserve``), verify the asynchronous loads that finished in earlier
+  steps, before this step's forward recomputes the last prompt token into the last block, and
+  record which request's KV the blocks this step's forward writes will hold;
 - :meth:`WorkerSide.save` (``wait_for_save``, after the forward): verify the synchronous loads
   of this step (their whole loaded blocks, which the forward does not write), and seal the
   prompts that completed this step.
@@ -29,7 +30,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine_hooks import KVWatch, PagedKVPool, Seal, Ticket, Verdict
+from engine_hooks.landed import mark_landed
 from engine_hooks.vllm.metadata import KVWatchMetadata, KVWatchWorkerMetadata, ReserveJob, VerifyJob
+from engine_hooks.watch import new_instance
 
 
 @dataclass(slots=True)
@@ -50,6 +53,9 @@ class WorkerSide:
         self.resolve_interval = 0.0 if pool.is_cpu else resolve_interval
         self._resolved_at = time.monotonic()
         self.tickets: dict[str, _Pending] = {}
+        #: One request instance per live request: its reservation and its own writes are the
+        #: same holder (a finding names it once).
+        self.instances: dict[str, str] = {}
         self.to_seal: list[tuple[str, list[int]]] = []
         self.after_forward: list[VerifyJob] = []
         self.seals: dict[str, dict[str, dict[str, object]]] = {}
@@ -69,7 +75,9 @@ class WorkerSide:
                 self._record(self.watch.on_free(event.block_ids))
         stamped = False
         for job in meta.reserve:
-            ticket = self.watch.on_reserve(job.request_id, job.block_ids)
+            ticket = self.watch.on_reserve(
+                job.request_id, job.block_ids, self.instance_of(job.request_id)
+            )
             if ticket is not None:
                 self.tickets[job.request_id] = _Pending(ticket, job)
                 stamped = True
@@ -82,8 +90,12 @@ class WorkerSide:
                 self.after_forward.append(verify)
             else:
                 self.verify(verify)
+        # After the checks of what is in the blocks now: this step's forward writes them next.
+        for write in meta.writes:
+            self.wrote(write.request_id, write.block_ids)
         for rid in meta.release:
             self.tickets.pop(rid, None)
+            self.instances.pop(rid, None)
         self.to_seal.extend((job.request_id, job.block_ids) for job in meta.seal)
 
     def verify(self, job: VerifyJob) -> list[Verdict]:
@@ -95,9 +107,11 @@ class WorkerSide:
         # The delivered run of the reservation; the rest of the ticket (its request) as it is.
         ticket = replace(ticket, pages=ticket.pages[:count], tags=ticket.tags[:count])
         seal = self._seal_for(reserve, count)
-        # NIXL does not carry page tags, so the write is recorded when its completion is seen:
-        # the tag check then catches a block reallocated between reservation and this read.
-        self.pool.mark_written(ticket.pages, ticket.tags)
+        # NIXL does not carry page tags, so the write is recorded when its completion is seen,
+        # for the blocks it really wrote: the tag check then catches a block reallocated
+        # between reservation and this read, and a block it did not write keeps its last
+        # writer, whom a finding names.
+        mark_landed(self.watch, ticket)
         verdicts = self.watch.verify_admit(ticket, seal)
         self._record(verdicts)
         held = [int(b) for b in ticket.pages]
@@ -105,6 +119,22 @@ class WorkerSide:
             if verdict.blocks:  # enforce: vLLM fails (or recomputes) the request
                 self.load_errors.update(verdict.pages or held)
         return verdicts
+
+    def instance_of(self, request_id: str) -> str:
+        instance = self.instances.get(request_id)
+        if instance is None:
+            instance = self.instances[request_id] = new_instance()
+        return instance
+
+    def wrote(self, request_id: str, block_ids: list[int]) -> None:
+        """The request's own forward writes these blocks: they hold its KV from now on."""
+        state = self.watch.state
+        if state is None or not block_ids:
+            return
+        index = state.index(block_ids)
+        now = time.time()
+        state.claim(index, self.watch.requests.key(request_id, self.instance_of(request_id)), now)
+        state.own_writes(index, now)
 
     def _seal_for(self, job: ReserveJob, count: int) -> Seal | None:
         """The seal of the blocks the transport delivered: the sealed blocks from decode's own

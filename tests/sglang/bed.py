@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import types
 from array import array
 from collections.abc import Iterable, Sequence
@@ -30,9 +31,11 @@ from engine_hooks.sglang import compat
 #: Token slots per page the PD tests use (SGLang's ``--page-size``).
 PAGE_SIZES = (16, 64)
 
-#: v0.5.19's ``alloc_extend`` / ``alloc_decode`` are Triton kernels only (a GPU); v0.5.22+ fall
-#: back to torch off CUDA, so the decode path runs here on those releases.
-DECODE_ON_CPU = compat.version_tuple(compat.sglang_version()) >= (0, 5, 22)
+#: v0.5.19's ``alloc_extend`` / ``alloc_decode`` are Triton kernels only: on a CPU they run in
+#: Triton's interpreter (``conftest.py`` turns it on for such a release); v0.5.22+ fall back to
+#: torch off CUDA.
+NATIVE_DECODE_ON_CPU = compat.version_tuple(compat.sglang_version()) >= (0, 5, 22)
+DECODE_ON_CPU = NATIVE_DECODE_ON_CPU or os.environ.get("TRITON_INTERPRET") == "1"
 NO_DECODE_ON_CPU = "this release's alloc_extend/alloc_decode are Triton-only (need a GPU)"
 
 
@@ -200,7 +203,7 @@ class Bed:
         )
         self.model_config = _model_config()
         self.streamer = Streamer()
-        self.scheduler = self._scheduler(Scheduler, DisaggregationMode.DECODE)
+        self.scheduler = self._scheduler(Scheduler, DisaggregationMode.DECODE, server_args)
 
         class Queue(DecodePreallocQueue):
             """SGLang's prealloc queue; its transport is SGLang's fake one (no network)."""
@@ -238,7 +241,7 @@ class Bed:
         self.scheduler.running_batch = self.running
         self.dst: dict[int, torch.Tensor] = {}
 
-    def _scheduler(self, scheduler_cls: Any, mode: Any) -> Any:
+    def _scheduler(self, scheduler_cls: Any, mode: Any, server_args: Any) -> Any:
         from sglang.srt.managers.scheduler_components import batch_result_processor as brp
         from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
             NewTokenRatioTracker,
@@ -272,6 +275,7 @@ class Bed:
             "random_seed": 0,
             "tp_worker": types.SimpleNamespace(is_hybrid_swa=False),
             "ps": types.SimpleNamespace(pp_size=1),  # v0.5.19 reads the pipeline size here
+            "server_args": server_args,  # v0.5.19's _pre_alloc reads the radix setting here
             # No beam search here: the door's retire path asks it to forget no group.
             "beam_coordinator": types.SimpleNamespace(retire_group=lambda req: None),
             "output_streamer": self.streamer,

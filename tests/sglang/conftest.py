@@ -28,6 +28,14 @@ if importlib.util.find_spec("sglang") is None:
             "and use build/sglang-venv/bin/python"
         )
     collect_ignore_glob = ["test_*.py"]
+else:
+    from engine_hooks.sglang import compat
+
+    if compat.version_tuple(compat.sglang_version()) < (0, 5, 22):
+        # This release's alloc_extend / alloc_decode are Triton kernels with no torch fallback:
+        # Triton's interpreter runs the release's own kernels on CPU tensors. Set before any
+        # SGLang module defines a kernel (triton.jit reads it then).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 """The SGLang half of the hook-mutation check (driver: ``tests/mutation.py``).
 
 One mutant per entry of the plugin's ``HOOKS``: the plugin registers every hook but that one
-(``load_plugins()`` then patches SGLang without it), and the tests that exercise it run. Every
-mutant must fail at least one of them. Run in build/sglang-venv (``make mutation-sglang``)::
+(``load_plugins()`` then patches SGLang without it), and the tests that exercise it run; and one
+per call in ``CALLS`` (what records whose KV a page holds, and scrub), removed with every hook
+in place. Every mutant must fail at least one of its tests. Run in build/sglang-venv
+(``make mutation-sglang``)::
 
     KVWATCH_SGLANG_STAGE=1 build/sglang-venv/bin/python -m tests.mutation tests.sglang.mutants
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 if __name__ == "__main__":  # run as a script: the repository first, not tests/sglang
     sys.path[0] = str(Path(__file__).resolve().parents[2])
@@ -80,17 +83,59 @@ TESTS: dict[tuple[str, str], tuple[str, ...]] = {
     ),
 }
 
+X = "tests/sglang/test_exposure.py::"
+
+#: The calls inside the hooks that record whose KV a page holds, and scrub: (name, what the
+#: mutant does, the tests that must notice). Each mutant keeps every hook and removes one call.
+CALLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "hooks_disagg.landed",
+        "admission records no transfer write",
+        (X + "test_the_incident_names_exactly_the_exposed_requests",),
+    ),
+    (
+        "hooks_disagg.decode_pages",
+        "decode-step pages join no ticket",
+        (X + "test_the_incident_names_exactly_the_exposed_requests",),
+    ),
+    (
+        "runtime.KVWatch",
+        "the watch is built without KVWATCH_SCRUB",
+        (X + "test_scrub_leaves_the_reader_zeros_and_the_detectors_still_fire",),
+    ),
+)
+
 #: Hooks no test here can reach through SGLang's own code, and why (none today).
 EXEMPT: dict[tuple[str, str], str] = {}
 
 #: The baseline: every targeted test passes with every hook in place.
-BASELINE: tuple[str, ...] = tuple(sorted({t for tests in TESTS.values() for t in tests}))
+BASELINE: tuple[str, ...] = tuple(
+    sorted({t for tests in [*TESTS.values(), *(c[2] for c in CALLS)] for t in tests})
+)
 
 
 def _without(index: int) -> None:
     import engine_hooks.sglang as plugin
 
     plugin.HOOKS = plugin.HOOKS[:index] + plugin.HOOKS[index + 1 :]
+
+
+def _remove_call(target: str) -> None:
+    """``module.name`` of the plugin (``engine_hooks.sglang.``) becomes a no-op; for the
+    watch's class, the ``scrub`` setting is dropped instead."""
+    import importlib
+
+    module_name, name = target.rsplit(".", 1)
+    module = importlib.import_module(f"engine_hooks.sglang.{module_name}")
+    real = getattr(module, name)
+
+    def mutated(*args: Any, **kwargs: Any) -> Any:
+        if name == "KVWatch":
+            kwargs.pop("scrub", None)
+            return real(*args, **kwargs)
+        return None
+
+    setattr(module, name, mutated)
 
 
 def _mutants() -> list[Mutant]:
@@ -108,6 +153,9 @@ def _mutants() -> list[Mutant]:
         name = f"{compat.short(target)} {kind} {hook.__name__}"
         exempt = EXEMPT.get((method, hook.__name__), "")
         mutants.append(Mutant(name, functools.partial(_without, index), tests, exempt))
+    for target, what, tests in CALLS:
+        name = f"call {target} ({what})"
+        mutants.append(Mutant(name, functools.partial(_remove_call, target), tests))
     return mutants
 
 

@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 
 from tests.sglang import sgl
-from tests.sglang.bed import DECODE_ON_CPU, NO_DECODE_ON_CPU, PAGE_SIZES, Bed
+from tests.sglang.bed import NATIVE_DECODE_ON_CPU, NO_DECODE_ON_CPU, PAGE_SIZES, Bed
 
-pytestmark = pytest.mark.skipif(not DECODE_ON_CPU, reason=NO_DECODE_ON_CPU)
+# Not under Triton's interpreter (v0.5.19 on a CPU): too slow for a soak of this length.
+pytestmark = pytest.mark.skipif(not NATIVE_DECODE_ON_CPU, reason=NO_DECODE_ON_CPU)
 
-FIXED_DOORS = DECODE_ON_CPU  # v0.5.21+ retire a rejected request at the door themselves
+FIXED_DOORS = NATIVE_DECODE_ON_CPU  # v0.5.21+ retire a rejected request at the door themselves
 
 
 @dataclass
@@ -226,7 +227,12 @@ def test_every_fault_class_is_caught_in_the_same_traffic(
         events = sgl.spool(rt).events()
         kinds = {(e["detector"], e["kind"]) for e in events}
         # The stolen page is freed again when its first owner finishes: a double free follows.
-        follows = {("page_tag", "double_free")} if fault[1] == "stale_tag" else set()
+        # A page the transfer did not write carries no tag for its reader either (as in
+        # minipd, where tags travel): the page-tag check flags the same pages.
+        follows = {
+            "stale_tag": {("page_tag", "double_free")},
+            "unwritten_page": {("page_tag", "stale_tag")},
+        }.get(fault[1], set())
         assert fault in kinds and kinds <= {fault, *follows}
         # A late write is logged in both modes: no request to fail (its writer is gone).
         enforced = mode == "enforce" and fault[1] != "write_to_free_page"

@@ -105,12 +105,12 @@ def kv_cache_config(
     )
 
 
-def kvwatch_child(role: str, spool: str, mode: str) -> dict[str, Any]:
+def kvwatch_child(role: str, spool: str, mode: str, scrub: str = "off") -> dict[str, Any]:
     return {
         "kv_connector": "KVWatchConnector",
         "kv_connector_module_path": MODULE,
         "kv_role": role,
-        "kv_connector_extra_config": {"spool": spool, "mode": mode},
+        "kv_connector_extra_config": {"spool": spool, "mode": mode, "scrub": scrub},
     }
 
 
@@ -199,13 +199,14 @@ class Node:
     policy: str = "fail"  # vLLM's kv_load_failure_policy
     name: str = ""
     layout: KVCacheLayout = KVCacheLayout.LBHNC
+    scrub: str = "off"  # the kvwatch connector's "scrub" extra config
     finished: dict[str, Any] = field(default_factory=dict)  # rid -> final EngineCoreOutput
     preempted: int = 0  # requests vLLM's scheduler preempted
 
     def __post_init__(self) -> None:
         self.name = self.name or self.role
         children = [
-            kvwatch_child(self.role, self.spool, self.mode),
+            kvwatch_child(self.role, self.spool, self.mode, self.scrub),
             transport_child(self.transport, self.role, self.link, self.name),
         ]
         if not self.kvwatch_first:

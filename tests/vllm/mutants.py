@@ -12,13 +12,62 @@ Run as a script, it removes one method and runs the tests: ``mutants.py NAME -- 
 from __future__ import annotations
 
 import abc
+import importlib
 import sys
+from collections.abc import Callable
 from dataclasses import is_dataclass
 from pathlib import Path
+from typing import Any
 
 BASELINE = "(none removed)"  # tests/mutation.py's name for the unmutated run
 # The V1 runner path covers every hook; -x stops at the first failing test.
-TESTS = ["tests/vllm/test_connector.py", "tests/vllm/test_pd.py", "-x", "-q", "-k", "not v2"]
+TESTS = [
+    "tests/vllm/test_connector.py",
+    "tests/vllm/test_pd.py",
+    "tests/vllm/test_exposure.py",
+    "-x",
+    "-q",
+    "-k",
+    "not v2",
+]
+
+
+def _noop(module: str, owner: str, attr: str) -> Callable[[], None]:
+    """A mutant that turns ``owner.attr`` of ``module`` (a class, or "" for the module) into a
+    no-op: the call stays, what it records is gone."""
+
+    def apply() -> None:
+        target: Any = importlib.import_module(module)
+        if owner:
+            target = getattr(target, owner)
+        setattr(target, attr, lambda *args, **kwargs: None)
+
+    return apply
+
+
+def _no_scrub() -> None:
+    """The connector builds its KVWatch without the ``scrub`` setting."""
+    connector = importlib.import_module("engine_hooks.vllm.connector")
+    real = connector.KVWatch
+
+    def without(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("scrub", None)
+        return real(*args, **kwargs)
+
+    connector.KVWatch = without
+
+
+#: The calls inside the hooks that record whose KV a block holds, and scrub: each, removed,
+#: must make a test fail too.
+CALLS: dict[str, Callable[[], None]] = {
+    "call: SchedulerSide._forward_writes": _noop(
+        "engine_hooks.vllm.scheduler", "SchedulerSide", "_forward_writes"
+    ),
+    "call: WorkerSide.wrote": _noop("engine_hooks.vllm.worker", "WorkerSide", "wrote"),
+    "call: worker mark_landed": _noop("engine_hooks.vllm.worker", "", "mark_landed"),
+    "call: BlockLedger.evicted": _noop("engine_hooks.vllm.blocks", "BlockLedger", "evicted"),
+    "call: KVWatch(scrub=...)": _no_scrub,
+}
 
 
 def _classes() -> dict[str, tuple[type, tuple[type, ...]]]:
@@ -54,10 +103,14 @@ def names() -> list[str]:
 def mutants() -> list[tuple[str, list[str]]]:
     """(name, command) per mutant, the baseline (nothing removed) first."""
     script = [sys.executable, str(Path(__file__).resolve())]
-    return [(name, [*script, name, "--", *TESTS]) for name in [BASELINE, *names()]]
+    every = [BASELINE, *names(), *CALLS]
+    return [(name, [*script, name, "--", *TESTS]) for name in every]
 
 
 def apply(name: str) -> None:
+    if name in CALLS:
+        CALLS[name]()
+        return
     label, attr = name.split(".", 1)
     cls, _ = _classes()[label]
     delattr(cls, attr)
