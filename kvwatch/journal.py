@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any, Final, NamedTuple, get_args, get_type_hints
 
@@ -92,7 +93,35 @@ def _columns(row: type[tuple[Any, ...]]) -> str:
 
 def _insert(table: str, row: type[tuple[Any, ...]]) -> str:
     fields: tuple[str, ...] = row._fields  # type: ignore[attr-defined]
-    return f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})"
+    return f"INSERT INTO {table} ({', '.join(fields)})"
+
+
+#: Rows per INSERT on the hot path (records, incidents). One multi-row ``VALUES`` statement binds
+#: the same parameters as a row-by-row ``executemany`` but runs the statement once per chunk:
+#: about 0.7 µs of SQLite's 3.1 µs per record in bench/daemon.py's catch-up (64 rows: within
+#: noise of 128; 8: half the gain).
+ROWS_PER_INSERT: Final = 64
+
+
+class _Insert:
+    """``INSERT INTO ...`` for rows of ``width`` values: whole chunks of ``ROWS_PER_INSERT`` rows
+    as one statement each, the rest row by row. Row order, and so rowid order, is kept."""
+
+    def __init__(self, head: str, width: int) -> None:
+        one = f"({', '.join('?' * width)})"
+        self.width = width
+        self.one = f"{head} VALUES {one}"
+        self.many = f"{head} VALUES {', '.join([one] * ROWS_PER_INSERT)}"
+
+    def __call__(self, db: sqlite3.Connection, rows: Sequence[Sequence[Any]]) -> None:
+        full = len(rows) - len(rows) % ROWS_PER_INSERT
+        if full:
+            # A row of the wrong width fails its chunk's parameter count, as it would alone.
+            flat = list(chain.from_iterable(rows[:full]))
+            step = self.width * ROWS_PER_INSERT
+            db.executemany(self.many, [flat[i : i + step] for i in range(0, len(flat), step)])
+        if full < len(rows):
+            db.executemany(self.one, rows[full:])
 
 
 def _select(table: str, row: type[tuple[Any, ...]]) -> str:
@@ -137,8 +166,9 @@ _MIGRATE_1: Final = (
     "ALTER TABLE rejects ADD COLUMN producer TEXT",
     "ALTER TABLE rejects ADD COLUMN seq INTEGER",
 )
-_INSERT_INCIDENT: Final = _insert("incidents", IncidentRow)
-_INSERT_REJECT: Final = _insert("rejects", RejectRow)
+_insert_records: Final = _Insert("INSERT INTO records", 4)
+_insert_incidents: Final = _Insert(_insert("incidents", IncidentRow), len(IncidentRow._fields))
+_INSERT_REJECT: Final = _Insert(_insert("rejects", RejectRow), len(RejectRow._fields)).one
 _SELECT_INCIDENTS: Final = _select("incidents", IncidentRow)
 _PRODUCER_COLUMNS: Final = (
     "id, name, engine, engine_version, role, model, rank, node, pid, first_seen, last_ts,"
@@ -297,9 +327,9 @@ class Journal:
         try:
             db.execute("BEGIN IMMEDIATE")
             if batch.records:
-                db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", batch.records)
+                _insert_records(db, batch.records)
             if batch.incidents:
-                db.executemany(_INSERT_INCIDENT, batch.incidents)
+                _insert_incidents(db, batch.incidents)
             if batch.rejects:
                 db.executemany(_INSERT_REJECT, batch.rejects)
             if batch.gaps:
