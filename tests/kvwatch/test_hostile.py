@@ -247,14 +247,14 @@ def test_a_daemon_bug_costs_one_record_dead_lettered(
 ) -> None:
     state = journal.load()
     reader = reader_for(spool, journal, state)
-    real = SpoolReader._incident
+    real = SpoolReader._incidents
 
-    def buggy(self: SpoolReader, producer: object, record: object, ts: float) -> None:
-        if record.request_id == "boom":  # type: ignore[attr-defined]
+    def buggy(self: SpoolReader, producer: object) -> None:
+        if any(record.request_id == "boom" for record, _ in self._events):
             raise KeyError("a bug")
-        real(self, producer, record, ts)  # type: ignore[arg-type]
+        real(self, producer)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(SpoolReader, "_incident", buggy)
+    monkeypatch.setattr(SpoolReader, "_incidents", buggy)
     a = Producer(spool, "sglang-decode-r0-100-aaaa0001")
     b = Producer(spool, "sglang-decode-r1-101-bbbb0001", rank=1)
     frames = [a.hello(), a.event("a1"), a.event("boom"), a.event("a3")]
