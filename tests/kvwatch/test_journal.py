@@ -133,24 +133,28 @@ def test_prune_deletes_only_the_records_rows_past_their_retention(journal: Journ
     assert kept == list(range(70, 100))  # ts >= now - 30
 
 
-def incident_row(i: int) -> IncidentRow:
-    """An incident row whose every field tells ``i`` apart."""
+def incident_row(i: int, run: int = 1) -> IncidentRow:
+    """An incident row whose every field tells ``i`` apart, but for the producer's labels, the
+    same for ``run`` rows in a row."""
+    p = i // run
     return IncidentRow(
-        T0 + i, f"node-{i}", "decode", "sglang", f"0.{i}", f"m{i}", i, f"p{i}", i + 1,
+        T0 + i, f"node-{p}", "decode", "sglang", f"0.{p}", f"m{p}", p, f"p{p}", i + 1,
         f"req-{i}", None if i % 2 else f"req-{i}#1", "canary", f"k{i}", "log", "logged",
         f"[{i}]", i, f'{{"n":{i}}}',
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("run", [1, 7, ROWS_PER_INSERT, ROWS_PER_INSERT + 1, 1000])
 @pytest.mark.parametrize(
-    "count", [1, ROWS_PER_INSERT - 1, ROWS_PER_INSERT, 2 * ROWS_PER_INSERT + 5]
+    "count", [1, ROWS_PER_INSERT - 1, ROWS_PER_INSERT, 2 * ROWS_PER_INSERT + 5, 300]
 )
-def test_a_commit_writes_every_row_in_its_order(journal: Journal, count: int) -> None:
-    """Rows go in chunks of ROWS_PER_INSERT per statement and the rest one by one: every row
-    lands whole, in the batch's order (rowids follow it), whatever the count."""
+def test_a_commit_writes_every_row_in_its_order(journal: Journal, count: int, run: int) -> None:
+    """Rows go in chunks of ROWS_PER_INSERT per statement (an incident's producer labels bound
+    once per chunk of a run of rows that repeat them) and the rest one by one: every row lands
+    whole, in the batch's order (rowids follow it), whatever the count and the runs."""
     batch = Batch()
     batch.records = [(i % 3, i + 1, ("event", "counters")[i % 2], T0 + i) for i in range(count)]
-    batch.incidents = [incident_row(i) for i in range(count)]
+    batch.incidents = [incident_row(i, run) for i in range(count)]
     journal.commit(batch, journal.load())
     records = journal.db.execute("SELECT * FROM records ORDER BY rowid").fetchall()
     assert records == batch.records
@@ -166,7 +170,13 @@ def test_a_row_of_the_wrong_width_fails_the_whole_commit(journal: Journal) -> No
     batch.records[5] = (1, 6, "event")  # type: ignore[assignment]
     with pytest.raises(sqlite3.ProgrammingError):
         journal.commit(batch, journal.load())
+    batch = Batch()
+    batch.incidents = [incident_row(i, 1000) for i in range(2 * ROWS_PER_INSERT)]
+    batch.incidents[70] = batch.incidents[70][:-1]  # type: ignore[assignment]
+    with pytest.raises(sqlite3.ProgrammingError):
+        journal.commit(batch, journal.load())
     assert journal.scalar("SELECT count(*) FROM records") == 0
+    assert journal.scalar("SELECT count(*) FROM incidents") == 0
     assert not journal.db.in_transaction
 
 
