@@ -39,6 +39,9 @@ class Frame(NamedTuple):
     open: bool = False
 
 
+_new_tuple: Final = tuple.__new__
+
+
 def iter_frames(buf: bytes, offset: int = 0, *, final: bool = False) -> Iterator[Frame]:
     """Yield the frames of ``buf`` from ``offset``.
 
@@ -47,12 +50,13 @@ def iter_frames(buf: bytes, offset: int = 0, *, final: bool = False) -> Iterator
     more bytes will come): an incomplete frame is damage (``torn``) and reading resumes at the
     next magic after it, so a damaged length pointing past the end loses no frame behind it.
     """
-    view = memoryview(buf)
     size = len(buf)
     pos = offset
     find = buf.find
+    unpack = HEADER.unpack_from
+    crc32 = zlib.crc32
     while pos + HEADER_BYTES <= size:
-        magic, length, crc = HEADER.unpack_from(view, pos)
+        magic, length, crc = unpack(buf, pos)
         if magic != MAGIC or length > MAX_RECORD_BYTES:
             error = "oversize" if magic == MAGIC else "framing"
         else:
@@ -62,9 +66,11 @@ def iter_frames(buf: bytes, offset: int = 0, *, final: bool = False) -> Iterator
                     return
                 error = "torn"
             else:
-                payload = bytes(view[pos + HEADER_BYTES : end])
-                if zlib.crc32(payload) == crc:
-                    yield Frame(pos, end, payload)
+                payload = buf[pos + HEADER_BYTES : end]
+                if crc32(payload) == crc:
+                    # An intact frame, one per record: built without the named tuple's
+                    # Python-level constructor (a third of this loop's time).
+                    yield _new_tuple(Frame, (pos, end, payload, None, False))
                     pos = end
                     continue
                 error = "crc"

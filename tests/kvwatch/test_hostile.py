@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvspool import MAGIC, encode_payload, read_segment
-from kvwatch.journal import Journal
+from kvwatch.journal import IncidentRow, Journal
 from kvwatch.spool_reader import SpoolReader
 from kvwatch.state import MAX_MODELS, State
 from tests.kvwatch.spoolgen import Producer, seqs
@@ -247,14 +247,14 @@ def test_a_daemon_bug_costs_one_record_dead_lettered(
 ) -> None:
     state = journal.load()
     reader = reader_for(spool, journal, state)
-    real = SpoolReader._incident
+    real = SpoolReader._incidents
 
-    def buggy(self: SpoolReader, producer: object, record: object, ts: float) -> None:
-        if record.request_id == "boom":  # type: ignore[attr-defined]
+    def buggy(self: SpoolReader, producer: object) -> None:
+        if any(record.request_id == "boom" for record, _ in self._events):
             raise KeyError("a bug")
-        real(self, producer, record, ts)  # type: ignore[arg-type]
+        real(self, producer)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(SpoolReader, "_incident", buggy)
+    monkeypatch.setattr(SpoolReader, "_incidents", buggy)
     a = Producer(spool, "sglang-decode-r0-100-aaaa0001")
     b = Producer(spool, "sglang-decode-r1-101-bbbb0001", rank=1)
     frames = [a.hello(), a.event("a1"), a.event("boom"), a.event("a3")]
@@ -268,10 +268,44 @@ def test_a_daemon_bug_costs_one_record_dead_lettered(
     assert row == [(a.name, 3, "internal", offset)]
     assert state.daemon[("spool_rejected", ("internal",))] == 1
     assert state.daemon.get(("spool_lost_records", ()), 0) == 0
+    # Each stored incident counted once (on 072e6c2, a1 twice: once in the failed pass).
+    assert state.daemon[("incidents", ("canary", "decode", "unwritten_page"))] == 3
     # The next poll goes on as usual; nothing is read twice.
     a.append(a.event("a5"))
     reader.poll()
     assert seqs(journal, a.name) == [1, 2, 4, 5]
+    render_all(state, journal)
+
+
+def test_a_row_sqlite_refuses_inside_a_chunk_costs_only_its_record(
+    spool: Path, journal: Journal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Incident rows go to SQLite 64 to a statement: a row SQLite refuses (here a count past
+    int64, as a gate that missed a limit would let through) fails its whole statement and
+    transaction, and then, one record per transaction, only itself."""
+    state = journal.load()
+    reader = reader_for(spool, journal, state)
+    real = SpoolReader._incidents
+
+    def bad_row(self: SpoolReader, producer: object) -> None:
+        first = len(self._batch.incidents)
+        real(self, producer)  # type: ignore[arg-type]
+        rows = self._batch.incidents
+        for i in range(first, len(rows)):
+            if IncidentRow(*rows[i]).request_id == "boom":
+                rows[i] = IncidentRow(*rows[i])._replace(pages_total=1 << 70)
+
+    monkeypatch.setattr(SpoolReader, "_incidents", bad_row)
+    a = Producer(spool, "sglang-decode-r0-100-aaaa0001")
+    names = [f"a{i}" for i in range(200)]
+    names[100] = "boom"
+    a.append(a.hello(), *(a.event(n) for n in names))
+    reader.poll()
+    assert [i["request_id"] for i in journal.incidents()] == names[:100] + names[101:]
+    assert seqs(journal, a.name) == [1, *range(2, 102), *range(103, 202)]
+    row = journal.db.execute("SELECT producer, seq, reason FROM rejects").fetchall()
+    assert row == [(a.name, 102, "internal")]
+    assert state.daemon[("spool_rejected", ("internal",))] == 1
     render_all(state, journal)
 
 

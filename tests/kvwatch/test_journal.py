@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from pathlib import Path
 
@@ -8,7 +9,14 @@ import pytest
 
 from kvspool import encode_frame, encode_payload
 from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import RETIRED_GRACE, IncidentRow, Journal, JournalError
+from kvwatch.journal import (
+    RETIRED_GRACE,
+    ROWS_PER_INSERT,
+    Batch,
+    IncidentRow,
+    Journal,
+    JournalError,
+)
 from kvwatch.spool_reader import SpoolReader
 from tests.kvwatch.spoolgen import T0, Producer
 
@@ -127,6 +135,53 @@ def test_prune_deletes_only_the_records_rows_past_their_retention(journal: Journ
     assert kept == list(range(70, 100))  # ts >= now - 30
 
 
+def incident_row(i: int, run: int = 1) -> IncidentRow:
+    """An incident row whose every field tells ``i`` apart, but for the producer's labels, the
+    same for ``run`` rows in a row."""
+    p = i // run
+    return IncidentRow(
+        T0 + i, f"node-{p}", "decode", "sglang", f"0.{p}", f"m{p}", p, f"p{p}", i + 1,
+        f"req-{i}", None if i % 2 else f"req-{i}#1", "canary", f"k{i}", "log", "logged",
+        f"[{i}]", i, f'{{"n":{i}}}', i % 3, i % 5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("run", [1, 7, ROWS_PER_INSERT, ROWS_PER_INSERT + 1, 1000])
+@pytest.mark.parametrize(
+    "count", [1, ROWS_PER_INSERT - 1, ROWS_PER_INSERT, 2 * ROWS_PER_INSERT + 5, 300]
+)
+def test_a_commit_writes_every_row_in_its_order(journal: Journal, count: int, run: int) -> None:
+    """Rows go in chunks of ROWS_PER_INSERT per statement (an incident's producer labels bound
+    once per chunk of a run of rows that repeat them) and the rest one by one: every row lands
+    whole, in the batch's order (rowids follow it), whatever the count and the runs."""
+    batch = Batch()
+    batch.records = [(i % 3, i + 1, ("event", "counters")[i % 2], T0 + i) for i in range(count)]
+    batch.incidents = [incident_row(i, run) for i in range(count)]
+    journal.commit(batch, journal.load())
+    records = journal.db.execute("SELECT * FROM records ORDER BY rowid").fetchall()
+    assert records == batch.records
+    incidents = journal.db.execute(
+        f"SELECT {', '.join(IncidentRow._fields)} FROM incidents ORDER BY id"
+    ).fetchall()
+    assert incidents == [tuple(row) for row in batch.incidents]
+
+
+def test_a_row_of_the_wrong_width_fails_the_whole_commit(journal: Journal) -> None:
+    batch = Batch()
+    batch.records = [(1, i + 1, "event", T0 + i) for i in range(2 * ROWS_PER_INSERT)]
+    batch.records[5] = (1, 6, "event")  # type: ignore[assignment]
+    with pytest.raises(sqlite3.ProgrammingError):
+        journal.commit(batch, journal.load())
+    batch = Batch()
+    batch.incidents = [incident_row(i, 1000) for i in range(2 * ROWS_PER_INSERT)]
+    batch.incidents[70] = batch.incidents[70][:-1]  # type: ignore[assignment]
+    with pytest.raises(sqlite3.ProgrammingError):
+        journal.commit(batch, journal.load())
+    assert journal.scalar("SELECT count(*) FROM records") == 0
+    assert journal.scalar("SELECT count(*) FROM incidents") == 0
+    assert not journal.db.in_transaction
+
+
 def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal) -> None:
     """The reader builds incident rows as plain tuples in IncidentRow's order (for speed): each
     field must land in its own column, ``instance`` included."""
@@ -172,8 +227,6 @@ def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal
 
 
 def test_a_schema_1_journal_is_migrated(tmp_path: Path) -> None:
-    import sqlite3
-
     path = tmp_path / "old.db"
     db = sqlite3.connect(path)
     db.executescript(

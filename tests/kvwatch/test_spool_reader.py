@@ -43,6 +43,26 @@ def test_records_events_and_counters_reach_the_journal(
     assert seqs(journal, p.name) == [1, 2, 3, 4]
 
 
+def test_an_incident_takes_the_labels_its_producer_had_when_it_was_read(
+    spool: Path, reader: SpoolReader, journal: Journal, state: State
+) -> None:
+    """Incident rows are built once per read, not per event: a hello in the middle of a read
+    (new labels) must not relabel the events read before it, and the incident counter counts
+    each under its own role."""
+    p = Producer(spool)
+    first = p.hello()
+    p.identity.update(model="llama", role="prefill", rank=3)
+    p.append(first, p.event("before"), p.hello(), p.event("after"))
+    assert reader.poll().records == 4
+    rows = [(i["request_id"], i["model"], i["role"], i["rank"]) for i in journal.incidents()]
+    assert rows == [("before", "glm-5.3", "decode", 0), ("after", "llama", "prefill", 3)]
+    counted = {k[1]: v for k, v in state.daemon.items() if k[0] == "incidents"}
+    assert counted == {
+        ("canary", "decode", "unwritten_page"): 1,
+        ("canary", "prefill", "unwritten_page"): 1,
+    }
+
+
 def test_resumes_from_the_committed_position_after_a_restart(spool: Path, tmp_path: Path) -> None:
     p = Producer(spool)
     p.append(p.hello(), p.event("a"), p.event("b"))
