@@ -126,6 +126,17 @@ def test_a_leak_pages_exactly_once_though_both_replicas_fire_and_resolves_once(
     assert [a["status"] for a in resolved.alerts()] == ["resolved"]
 
 
+def test_the_latency_bench_measures_a_page_in_the_fleet(fleet: Fleet) -> None:
+    from bench.alert_latency import page_latency
+
+    seconds = page_latency(fleet, fleet.node("node-0"), "fleet-bench-1")
+    budget = fleet.intervals.budget_s
+    print(
+        f"bench: leak to webhook {seconds:.2f} s, {seconds / budget:.2f}x the {budget:g} s budget"
+    )
+    assert 0 < seconds < 2 * budget + 3  # the budget, late phases and a loaded machine
+
+
 def test_the_page_arrives_once_with_the_sending_peer_killed(fleet: Fleet) -> None:
     sent = {f"am-{i}": notifications_sent(fleet, f"am-{i}") for i in range(PEERS)}
     sender = max(sent, key=lambda am: sent[am])
