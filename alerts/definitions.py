@@ -1,357 +1,39 @@
-"""The one source of kvwatch's alerts and recording rules.
+"""The alert and recording rules, for the generators: defined once in :mod:`kvwatch.rules`.
 
-Both ``alerts/kvwatch.rules.yml`` (Prometheus) and ``alerts/grafana/kvwatch-alert-rules.json``
-(Grafana-managed alerting) are generated from this module by ``python -m alerts.generate``; a test
-regenerates both and fails on any difference, and another proves the two sets hold the same alerts.
-
-Conventions (kubernetes-mixin): CamelCase alert names; ``severity`` is critical, warning or info;
-``summary`` is fixed text; ``description`` names the node, the role and the value; ``runbook_url``
-points at the alert's section of ``alerts/runbook.md`` under ``RUNBOOK_BASE``.
-
-Description templates use Prometheus's ``$value``; the Grafana generator rewrites it to
-``$values.B.Value`` (the reduced query result). ``$labels.x`` is the same in both.
-
-Metric names come from kvspool's catalogue through ``exposed()``: a family it does not hold fails
-here, at generation time.
-
-Label contract with Prometheus: every kvwatch target carries a ``node`` target label (set per target
-in the scrape config or by the ServiceMonitor's relabelling) and ``job="kvwatch"``.
+They live in the daemon's package because the daemon posts some of the alerts to Alertmanager
+itself (:mod:`kvwatch.pager`), and the wheel ships ``kvwatch`` but not this folder.
 """
 
-from __future__ import annotations
-
-import textwrap
-from dataclasses import dataclass, field
-
-from kvspool.catalogue import exposed
-
-RUNBOOK_BASE = "https://github.com/kvwatch/kvwatch/blob/main/alerts/runbook.md"
-"""Where ``runbook_url`` points: the runbook in the repository, one anchor per alert."""
-
-JOB_SELECTOR = 'job="kvwatch"'
-"""How the alerts find the daemon's scrape targets (the ``job`` of the scrape config)."""
-
-PD_ROLES = "prefill|decode"
-"""Roles that mean the engine runs disaggregated (PD); ``unified`` is a single-node engine."""
-
-PD_RELEASE_ENGINES = "sglang|minipd"
-"""Engines whose release string follows SGLang's (minipd emulates SGLang releases). vLLM has no
-integrity check at all, so none of its releases is marked vulnerable here."""
-
-VULNERABLE_RELEASE_RE = r"v?0\.([0-4]|5\.([0-9]|1[0-9]))([^0-9].*)?"
-"""SGLang releases that expose the unwritten-page leak in PD mode: everything before 0.5.20
-(0.5.20 ships #36988, which retires an aborted prefill before it reaches decode). RE2, anchored by
-Prometheus. Matches 0.4.x, 0.5.0 .. 0.5.19 and their rc/post builds; not 0.5.20+, 0.10+, 1.x."""
-
-BELOW_FLOOR_RELEASE_RE = r"v?0\.5\.2[01]([^0-9].*)?"
-"""Fixed for the incident but below the recommended floor 0.5.22 (router drops the decode half when
-prefill fails, generation tags on abort messages): 0.5.20 and 0.5.21."""
-
-
-def _q(text: str) -> str:
-    """A PromQL expression written as an indented block, dedented, outer blank lines dropped."""
-    return textwrap.dedent(text).strip()
-
-
-@dataclass(frozen=True)
-class RecordingRule:
-    record: str
-    expr: str
-
-
-@dataclass(frozen=True)
-class Alert:
-    name: str
-    severity: str
-    expr: str
-    summary: str
-    description: str
-    for_: str = ""
-    """Prometheus ``for``; empty means the alert fires on the first evaluation that matches."""
-    labels: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def anchor(self) -> str:
-        """The runbook section's anchor: GitHub lowercases the ``## AlertName`` heading."""
-        return self.name.lower()
-
-    @property
-    def runbook_url(self) -> str:
-        return f"{RUNBOOK_BASE}#{self.anchor}"
-
-    @property
-    def all_labels(self) -> dict[str, str]:
-        return {"severity": self.severity, **self.labels}
-
-    @property
-    def annotations(self) -> dict[str, str]:
-        return {
-            "summary": self.summary,
-            "description": self.description,
-            "runbook_url": self.runbook_url,
-        }
-
-
-RULES_GROUP = "kvwatch.rules"
-ALERTS_GROUP = "kvwatch.alerts"
-
-RECORDING_RULES: tuple[RecordingRule, ...] = (
-    RecordingRule(
-        "node_role_detector:kvwatch_verifications:rate5m",
-        _q(
-            f"""
-            sum by (node, role, detector) (rate({exposed("verifications")}[5m]))
-            """
-        ),
-    ),
-    RecordingRule(
-        "node_role_detector:kvwatch_verifications_skipped:rate5m",
-        _q(
-            f"""
-            sum by (node, role, detector) (rate({exposed("verifications_skipped")}[5m]))
-            """
-        ),
-    ),
-    # Requests that reached a detector, verified or skipped. A detector that exports no skip
-    # counter (or no verification counter) still counts through the other side of the `or`.
-    RecordingRule(
-        "node_role_detector:kvwatch_detector_requests:rate5m",
-        _q(
-            """
-            node_role_detector:kvwatch_verifications:rate5m
-              + node_role_detector:kvwatch_verifications_skipped:rate5m
-            or node_role_detector:kvwatch_verifications:rate5m
-            or node_role_detector:kvwatch_verifications_skipped:rate5m
-            """
-        ),
-    ),
-    # For each detector that verified nothing: the requests per second that flowed through its
-    # node and role (the busiest detector there), i.e. the traffic it should have verified.
-    RecordingRule(
-        "node_role_detector:kvwatch_unverified_requests:rate5m",
-        _q(
-            """
-            (node_role_detector:kvwatch_verifications:rate5m == bool 0)
-              * on (node, role) group_left ()
-            max by (node, role) (node_role_detector:kvwatch_detector_requests:rate5m)
-            > 0
-            """
-        ),
-    ),
-    RecordingRule(
-        "kvwatch:engine_info:vulnerable_pd",
-        _q(
-            f"""
-            {exposed("engine_info")}{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{VULNERABLE_RELEASE_RE}`}}
-            """  # noqa: E501
-        ),
-    ),
-    RecordingRule(
-        "kvwatch:engine_info:below_floor_pd",
-        _q(
-            f"""
-            {exposed("engine_info")}{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{BELOW_FLOOR_RELEASE_RE}`}}
-            """  # noqa: E501
-        ),
-    ),
+from kvwatch.rules import (
+    ALERTS,
+    ALERTS_GROUP,
+    BELOW_FLOOR_RELEASE_RE,
+    JOB_SELECTOR,
+    PD_RELEASE_ENGINES,
+    PD_ROLES,
+    RECORDING_RULES,
+    RULES_GROUP,
+    RUNBOOK_BASE,
+    SEVERITIES,
+    VULNERABLE_RELEASE_RE,
+    Alert,
+    Increase,
+    RecordingRule,
 )
 
-_WHERE = "{{ $labels.role }} on node {{ $labels.node }}"
-
-ALERTS: tuple[Alert, ...] = (
-    Alert(
-        name="KVIntegrityMismatch",
-        severity="critical",
-        expr=_q(
-            f"""
-            sum by (node, role, detector, kind) (increase({exposed("mismatches")}[5m])) > 0
-            """
-        ),
-        summary="A request read KV-cache pages that it did not write: another user's data may "
-        "have leaked.",
-        description=(
-            "The {{ $labels.detector }} detector on "
-            + _WHERE
-            + ' found {{ $value | printf "%.0f" }} KV integrity mismatch(es) of kind '
-            "{{ $labels.kind }} in the last 5 minutes."
-        ),
-    ),
-    Alert(
-        name="KVPoolSmallerThanContext",
-        severity="critical",
-        expr=_q(
-            f"""
-            max by (node, role, engine, model) ({exposed("unsafe_band_tokens")}) > 0
-            """
-        ),
-        summary="The KV pool is smaller than the advertised context length: an unsafe band of "
-        "prompt lengths exists.",
-        description=(
-            "{{ $labels.engine }} serving {{ $labels.model }} as "
-            + _WHERE
-            + ': the KV pool is {{ $value | printf "%.0f" }} tokens smaller than the context '
-            "length. Prompts in that band pass the context check and fail the pool check."
-        ),
-    ),
-    Alert(
-        name="KVAbortedRequestAdmitted",
-        severity="critical",
-        expr=_q(
-            f"""
-            sum by (node, role, queue) (increase({exposed("aborted_admissions")}[5m])) > 0
-            """
-        ),
-        summary="An aborted (rejected) request was admitted into the prefill/decode handoff.",
-        description=(
-            "The {{ $labels.queue }} queue of "
-            + _WHERE
-            + ' admitted {{ $value | printf "%.0f" }} request(s) already marked for abort in '
-            "the last 5 minutes."
-        ),
-    ),
-    Alert(
-        name="KVSpoolRecordsLost",
-        severity="critical",
-        expr=_q(
-            f"""
-            sum by (node) (increase({exposed("spool_lost_records")}[5m])) > 0
-            """
-        ),
-        summary="kvwatch lost records between the engine hooks and the daemon: detections may be "
-        "missing.",
-        description=(
-            "The kvwatch daemon on node {{ $labels.node }} (all roles on the node) saw "
-            '{{ $value | printf "%.0f" }} spool record(s) lost in the last 5 minutes.'
-        ),
-    ),
-    Alert(
-        name="KVEngineReleaseVulnerable",
-        severity="critical",
-        expr=_q(
-            """
-            count by (node, role, engine, model, version) (kvwatch:engine_info:vulnerable_pd) > 0
-            """
-        ),
-        summary="An engine release that leaks unwritten KV pages in PD mode is serving "
-        "disaggregated traffic.",
-        description=(
-            "{{ $labels.engine }} {{ $labels.version }} runs as "
-            + _WHERE
-            + " ({{ $value }} process(es), model {{ $labels.model }}); releases before 0.5.20 "
-            "admit rejected requests into the handoff. Upgrade both roles to 0.5.22 or later."
-        ),
-    ),
-    Alert(
-        name="KVEngineReleaseBelowFloor",
-        severity="info",
-        expr=_q(
-            """
-            count by (node, role, engine, model, version) (kvwatch:engine_info:below_floor_pd) > 0
-            """
-        ),
-        summary="An engine release below the recommended floor 0.5.22 is serving disaggregated "
-        "traffic.",
-        description=(
-            "{{ $labels.engine }} {{ $labels.version }} runs as "
-            + _WHERE
-            + " ({{ $value }} process(es), model {{ $labels.model }}); 0.5.22 is the recommended "
-            "floor for PD mode."
-        ),
-    ),
-    Alert(
-        name="KVEngineReleaseSkew",
-        severity="warning",
-        for_="15m",
-        expr=_q(
-            f"""
-            group by (node, role, engine, model, version) ({exposed("engine_info")}{{role=~"{PD_ROLES}"}})
-              * on (engine, model) group_left ()
-            count by (engine, model) (
-              group by (engine, model, version) ({exposed("engine_info")}{{role=~"{PD_ROLES}"}})
-            )
-            > 1
-            """  # noqa: E501
-        ),
-        summary="Prefill and decode run different engine releases.",
-        description=(
-            "{{ $labels.engine }} {{ $labels.version }} runs as "
-            + _WHERE
-            + " while {{ $value }} different releases serve {{ $labels.model }} across prefill "
-            "and decode."
-        ),
-    ),
-    Alert(
-        name="KVDetectorVerifyingNothing",
-        severity="warning",
-        for_="10m",
-        expr=_q(
-            f"""
-            node_role_detector:kvwatch_unverified_requests:rate5m
-              and on (node, role, detector)
-            sum by (node, role, detector) (
-              rate({exposed("verifications_skipped")}{{reason!="mode_off"}}[5m])
-            ) > 0
-            or
-            node_role_detector:kvwatch_unverified_requests:rate5m
-              and on (role, detector)
-            max by (role, detector) (node_role_detector:kvwatch_verifications:rate5m) > 0
-            """
-        ),
-        summary="A kvwatch detector verifies no request while requests flow.",
-        description=(
-            "The {{ $labels.detector }} detector on "
-            + _WHERE
-            + " verified no request in the last 5 minutes while "
-            '{{ $value | printf "%.2f" }} requests/s flowed (it skips them, or is off where '
-            "other nodes run it)."
-        ),
-    ),
-    Alert(
-        name="KVWatchDaemonDown",
-        severity="warning",
-        for_="5m",
-        expr=_q(
-            f"""
-            up{{{JOB_SELECTOR}}} == 0
-            """
-        ),
-        summary="Prometheus cannot scrape the kvwatch daemon: leaks on this node go unseen.",
-        description=(
-            "The kvwatch daemon on node {{ $labels.node }} (all roles on the node, target "
-            "{{ $labels.instance }}) has been down for 5 minutes (up = {{ $value }})."
-        ),
-    ),
-    Alert(
-        name="KVHooksSilent",
-        severity="warning",
-        for_="5m",
-        expr=_q(
-            f"""
-            time() - max by (node) ({exposed("last_record_timestamp_seconds")}) > 300
-            """
-        ),
-        summary="The engine hooks on a node have written nothing to the spool: its detectors "
-        "may be off.",
-        description=(
-            "No engine hook on node {{ $labels.node }} (any role) has written a spool record for "
-            "{{ $value | humanizeDuration }}."
-        ),
-    ),
-    Alert(
-        name="KVSpoolRecordsRejected",
-        severity="warning",
-        expr=_q(
-            f"""
-            sum by (node, reason) (increase({exposed("spool_rejected")}[10m])) > 0
-            """
-        ),
-        summary="The kvwatch daemon rejected spool records (torn, corrupt or foreign).",
-        description=(
-            "The kvwatch daemon on node {{ $labels.node }} (all roles on the node) rejected "
-            '{{ $value | printf "%.0f" }} spool record(s) in the last 10 minutes, reason '
-            "{{ $labels.reason }}."
-        ),
-    ),
-)
-
-SEVERITIES = ("critical", "warning", "info")
+__all__ = [
+    "ALERTS",
+    "ALERTS_GROUP",
+    "BELOW_FLOOR_RELEASE_RE",
+    "JOB_SELECTOR",
+    "PD_RELEASE_ENGINES",
+    "PD_ROLES",
+    "RECORDING_RULES",
+    "RULES_GROUP",
+    "RUNBOOK_BASE",
+    "SEVERITIES",
+    "VULNERABLE_RELEASE_RE",
+    "Alert",
+    "Increase",
+    "RecordingRule",
+]

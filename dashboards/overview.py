@@ -12,6 +12,7 @@ from grafana_foundation_sdk.models.dashboard import (
 
 from dashboards.common import (
     GREEN_ORANGE_RED,
+    GREEN_RED,
     JOB,
     NODE_ROLE,
     NODES,
@@ -29,7 +30,18 @@ from dashboards.common import (
 from kvspool.catalogue import exposed
 
 UID = "kvwatch-overview"
+#: Nodes the fleet tables list, worst first.
+TOP_NODES = 10
 TITLE = "kvwatch / Overview"
+
+
+def _coverage(by: str) -> str:
+    """Verified over verified + skipped requests in the time range, summed by ``by``."""
+    verified = f"sum by ({by}) (increase({exposed('verifications')}{{{NODE_ROLE}}}[$__range]))"
+    skipped = (
+        f"sum by ({by}) (increase({exposed('verifications_skipped')}{{{NODE_ROLE}}}[$__range]))"
+    )
+    return f"{verified}\n/ (\n  {verified}\n  + {skipped}\n)"
 
 
 def build() -> dash.Dashboard:
@@ -135,6 +147,99 @@ def build() -> dash.Dashboard:
         )
     )
 
+    board = board.with_row(row(ids, "Fleet: which nodes"))
+    board = board.with_panel(
+        stat_panel(
+            ids,
+            "Daemons up",
+            "kvwatch daemons Prometheus scrapes now, one per serving node. Compare with the "
+            "number of nodes you run: a node without a daemon is a node nobody watches.",
+            f"count(up{{{JOB}, {NODES}}} == 1) or vector(0)",
+            steps=[Threshold(value=None, color="blue")],
+            width=4,
+            height=8,
+        )
+    )
+    board = board.with_panel(
+        table_panel(
+            ids,
+            f"Nodes with mismatches (top {TOP_NODES})",
+            f"The {TOP_NODES} nodes with the most KV integrity mismatches in the time range, all "
+            "roles and detectors. Empty is good. Open the node dashboard for one of them; "
+            "`kvwatch incidents --journal a.db --journal b.db` lists the requests fleet-wide.",
+            [
+                instant_table_query(
+                    f"topk({TOP_NODES}, sum by (node) "
+                    f"(increase({exposed('mismatches')}{{{NODE_ROLE}}}[$__range])) > 0)"
+                )
+            ],
+            rename={"Value": "mismatches"},
+            width=6,
+            steps=GREEN_RED,
+        )
+    )
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "Nodes running a vulnerable release",
+            "Engine processes on a release before 0.5.20 serving prefill or decode, by node "
+            "(recording rule kvwatch:engine_info:vulnerable_pd; KVEngineReleaseVulnerable). Empty "
+            "is good.",
+            [
+                instant_table_query(
+                    "count by (node, role, engine, version, model) "
+                    f"(kvwatch:engine_info:vulnerable_pd{{{NODE_ROLE}}})"
+                )
+            ],
+            rename={"Value": "processes"},
+            width=14,
+        )
+    )
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "Unsafe band per model across nodes",
+            "Per engine and model: the largest unsafe band (context minus pool, tokens) on any "
+            "node, how many nodes have one, and how many nodes serve the model. One config "
+            "usually serves a model fleet-wide: a band on one node is a band on all of its "
+            "kind (KVPoolSmallerThanContext).",
+            [
+                instant_table_query(
+                    f"max by (engine, model) ({exposed('unsafe_band_tokens')}{{{NODE_ROLE}}})",
+                    "A",
+                ),
+                instant_table_query(
+                    "count by (engine, model) (max by (node, engine, model) "
+                    f"({exposed('unsafe_band_tokens')}{{{NODE_ROLE}}}) > 0)",
+                    "B",
+                ),
+                instant_table_query(
+                    "count by (engine, model) (max by (node, engine, model) "
+                    f"({exposed('unsafe_band_tokens')}{{{NODE_ROLE}}}))",
+                    "C",
+                ),
+            ],
+            rename={
+                "Value #A": "largest band",
+                "Value #B": "nodes with a band",
+                "Value #C": "nodes serving",
+            },
+            width=12,
+        )
+    )
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "Verification coverage per node",
+            "Share of the requests that reached a detector which it verified, per node over the "
+            "time range, lowest first. A node well below the others runs a detector off or on an "
+            "unsupported layout (KVDetectorVerifyingNothing).",
+            [instant_table_query(f"sort(\n{_coverage('node')}\n)")],
+            rename={"Value": "verified"},
+            width=12,
+        ).unit("percentunit")
+    )
+
     board = board.with_row(row(ids, "Verification coverage"))
     board = board.with_panel(
         timeseries_panel(
@@ -177,18 +282,7 @@ def build() -> dash.Dashboard:
             "Coverage in the time range",
             "Share of the requests that reached a detector which it verified, per node, role and "
             "detector, over the dashboard's time range.",
-            [
-                instant_table_query(
-                    "sum by (node, role, detector) "
-                    f"(increase({exposed('verifications')}{{{NODE_ROLE}}}[$__range]))\n"
-                    "/ (\n"
-                    "  sum by (node, role, detector) "
-                    f"(increase({exposed('verifications')}{{{NODE_ROLE}}}[$__range]))\n"
-                    "  + sum by (node, role, detector) "
-                    f"(increase({exposed('verifications_skipped')}{{{NODE_ROLE}}}[$__range]))\n"
-                    ")"
-                )
-            ],
+            [instant_table_query(_coverage("node, role, detector"))],
             rename={"Value": "verified"},
             width=8,
         ).unit("percentunit")

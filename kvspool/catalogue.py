@@ -142,6 +142,16 @@ REJECT_REASON: Final = Label(
         "name": "a *.kvs file whose name is not <producer>.<index>.kvs",
     },
 )
+#: How a post of the daemon's fast path to one Alertmanager ended
+#: (``kvwatch_alertmanager_posts_total{result}``).
+POST_RESULT: Final = Label(
+    "result",
+    {
+        "sent": "Alertmanager accepted the alerts (HTTP 200)",
+        "failed": "refused, unreachable or timed out (retried with the next resend)",
+        "dropped": "the queue to that Alertmanager was full: the oldest batch was dropped",
+    },
+)
 MODES: Final = frozenset({"off", "log", "enforce"})
 ACTIONS: Final = frozenset({"logged", "enforced"})
 
@@ -322,6 +332,12 @@ DAEMON_FAMILIES: Final = (
         "gauge",
         "GPU memory by state (total, used, free), from NVML.",
         ("gpu", "state"),
+    ),
+    Family(
+        "kvwatch_alertmanager_posts",
+        "counter",
+        "Posts of the daemon's fast path to Alertmanager, per Alertmanager and batch, by result.",
+        ("result",),
     ),
     Family(
         "kvwatch_collector_success",

@@ -14,6 +14,25 @@ Example (``deploy/kvwatch.toml``)::
     path = "/var/log/sglang/prefill.log"
     role = "prefill"
     engine = "sglang"
+
+The fast path to the pager (:mod:`kvwatch.pager`): the daemon posts its counter alerts
+(KVIntegrityMismatch, KVAbortedRequestAdmitted, KVSpoolRecordsLost) to every Alertmanager itself,
+with the labels the Prometheus rule gives them, so Alertmanager merges the two into one
+notification; the rule stays the path that survives a daemon that cannot reach Alertmanager::
+
+    node = "prefill-0"             # Prometheus's `node` target label for this daemon
+                                   # (default: the host name); must match, or pages come twice
+    alertmanager_urls = ["http://am-0:9093", "http://am-1:9093", "http://am-2:9093"]
+    alertmanager_enabled = true    # false: keep the URLs, post nothing
+    # Prometheus's external labels as its alerts reach Alertmanager, i.e. without the `replica`
+    # label that alert_relabel_configs drops in an HA pair.
+    alertmanager_labels = { cluster = "prod-eu" }
+    alertmanager_timeout = "10s"   # per post (Prometheus's default)
+    alertmanager_resend = "1m"     # re-send a firing alert this often (Prometheus's resend delay)
+    prometheus_scrape_interval = "15s"  # how often Prometheus scrapes this daemon
+    alertmanager_ca_file = ""      # https:// URLs: the CA bundle (default: the system's)
+    alertmanager_username = ""     # HTTP basic auth, with the password in a file
+    alertmanager_password_file = ""
 """
 
 from __future__ import annotations
@@ -22,7 +41,9 @@ import difflib
 import os
 import pwd
 import re
+import socket
 import tomllib
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -119,6 +140,22 @@ class Config:
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
     logs: list[EngineLog] = field(default_factory=list)
+    node: str = ""
+    alertmanager_urls: list[str] = field(default_factory=list)
+    alertmanager_enabled: bool = True
+    alertmanager_labels: dict[str, str] = field(default_factory=dict)
+    alertmanager_timeout: float = 10.0
+    alertmanager_resend: float = 60.0
+    prometheus_scrape_interval: float = 15.0
+    alertmanager_ca_file: str = ""
+    alertmanager_username: str = ""
+    alertmanager_password_file: str = ""
+
+    @property
+    def node_name(self) -> str:
+        """The ``node`` label Prometheus gives this daemon's target: the setting, else the host
+        name."""
+        return self.node or socket.gethostname()
 
     @property
     def quarantine(self) -> str:
@@ -128,7 +165,15 @@ class Config:
         return self.allowed_uids or [os.geteuid()]
 
 
-_DURATIONS: Final = {"retention", "records_retention", "poll_interval", "idle_grace"}
+_DURATIONS: Final = {
+    "retention",
+    "records_retention",
+    "poll_interval",
+    "idle_grace",
+    "alertmanager_timeout",
+    "alertmanager_resend",
+    "prometheus_scrape_interval",
+}
 _STRINGS: Final = {
     "spool_dir",
     "journal",
@@ -137,7 +182,15 @@ _STRINGS: Final = {
     "tls_cert_file",
     "tls_key_file",
     "tls_client_ca_file",
+    "node",
+    "alertmanager_ca_file",
+    "alertmanager_username",
+    "alertmanager_password_file",
 }
+_BOOLEANS: Final = {"nvml", "alertmanager_enabled"}
+#: Labels an alert of the rule file already has: an external label never overrides them.
+_RULE_LABELS: Final = frozenset({"alertname", "severity", "node"})
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 KNOWN_SETTINGS: Final = frozenset({f.name for f in fields(Config)} | {"allowed_users"})
 
 
@@ -169,11 +222,15 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
             config.allowed_uids = [_uid(u) for u in _list(key, value)]
         elif key == "logs":
             config.logs = [_engine_log(entry) for entry in _list(key, value)]
-        elif key == "nvml":
+        elif key in _BOOLEANS:
             # Strictly a TOML boolean: "false" as a string is truthy and was read as true.
             if not isinstance(value, bool):
-                raise ConfigError(f"nvml: expected true or false (no quotes), got {value!r}")
-            config.nvml = value
+                raise ConfigError(f"{key}: expected true or false (no quotes), got {value!r}")
+            setattr(config, key, value)
+        elif key == "alertmanager_urls":
+            config.alertmanager_urls = [_alertmanager_url(v) for v in _list(key, value)]
+        elif key == "alertmanager_labels":
+            config.alertmanager_labels = _external_labels(value)
         elif key == "allowed_uids":
             config.allowed_uids = [_integer(key, v) for v in _list(key, value)]
         elif key == "quarantine_max":
@@ -184,6 +241,41 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
             setattr(config, key, value)
     parse_listen(config.listen)
     return config
+
+
+def _alertmanager_url(value: object) -> str:
+    text = str(value)
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(
+            f"alertmanager_urls: {value!r} is not an http(s) URL (e.g. http://127.0.0.1:9093)"
+        )
+    return text.rstrip("/")
+
+
+def _external_labels(value: object) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"alertmanager_labels: expected a table of labels, got {value!r}")
+    labels: dict[str, str] = {}
+    for name, text in value.items():
+        if not _LABEL_NAME.match(name) or name.startswith("__"):
+            raise ConfigError(f"alertmanager_labels: {name!r} is not a Prometheus label name")
+        if not isinstance(text, str):
+            raise ConfigError(f"alertmanager_labels: {name} must be a string, got {text!r}")
+        if name == "replica":
+            # An HA pair's replica label is dropped before alerts reach Alertmanager (or the
+            # two replicas page twice); a daemon sending it would never merge with the rule.
+            raise ConfigError(
+                "alertmanager_labels: leave out 'replica' (alert_relabel_configs drops it from "
+                "Prometheus's alerts; give the labels that remain)"
+            )
+        if name in _RULE_LABELS:
+            raise ConfigError(
+                f"alertmanager_labels: {name!r} is set by the alert itself (set node with the "
+                "node setting)"
+            )
+        labels[name] = text
+    return labels
 
 
 def _integer(key: str, value: object) -> int:

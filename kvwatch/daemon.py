@@ -28,11 +28,12 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from kvwatch import __version__
-from kvwatch.config import Config, parse_listen
+from kvwatch.config import Config, ConfigError, parse_listen
 from kvwatch.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
 from kvwatch.logwatch import LogWatcher
 from kvwatch.metrics import KvwatchCollector
 from kvwatch.nvml import Nvml
+from kvwatch.pager import Pager
 from kvwatch.spool_reader import SpoolReader
 from kvwatch.statuspage import make_app, serve_wsgi
 
@@ -135,6 +136,12 @@ class Daemon:
         self.registry.register(KvwatchCollector(self.state, self.nvml))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
+        try:
+            # The fast path to Alertmanager reads the same samples /metrics serves.
+            self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
+        except ConfigError as exc:
+            self._unlock()
+            raise DaemonError(str(exc)) from None
         self.stop = threading.Event()
         #: Set once the journal is open and the first poll is committed (``/-/ready``).
         self.ready = threading.Event()
@@ -184,6 +191,7 @@ class Daemon:
             logs=[log.path for log in self.config.logs],
             nvml=self.nvml.up,
         )
+        self.pager.start()
         try:
             while not self.stop.is_set():
                 more = self.run_once()
@@ -220,6 +228,7 @@ class Daemon:
                 self.log.info("daemon.stopping", signal=name)
 
     def close(self) -> None:
+        self.pager.close()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -252,6 +261,7 @@ class Daemon:
             self._failures += 1
             self.log.error("spool.poll_failed", error=str(exc), error_type=type(exc).__name__)
         self._done("spool", ok, started)
+        self.pager.wake()
         if self.logs.watched:
             started = time.perf_counter()
             try:

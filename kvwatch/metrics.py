@@ -147,6 +147,10 @@ class KvwatchCollector(Collector):
         for reason in LOG_ERROR_REASONS:
             errors.add_metric([reason], state.log_counts.get(("errors", (reason,)), 0.0))
         yield errors
+        posts = _family("kvwatch_alertmanager_posts")
+        for result in catalogue.POST_RESULT.sorted_values:
+            posts.add_metric([result], state.daemon.get(("alertmanager_posts", (result,)), 0.0))
+        yield posts
 
     def _engine_families(self) -> Iterator[Metric]:
         latest, info = engine_views(self.state)

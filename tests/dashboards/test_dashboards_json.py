@@ -24,7 +24,7 @@ PUBLIC_METRICS = (
 
 PROMQL_WORDS = {
     "sum", "max", "min", "count", "group", "by", "on", "or", "and", "unless", "bool",
-    "group_left", "rate", "increase", "time", "vector", "ignoring", "without",
+    "group_left", "rate", "increase", "time", "vector", "ignoring", "without", "topk", "sort",
 }  # fmt: skip
 
 
@@ -134,6 +134,15 @@ def test_required_content() -> None:
     ):
         assert metric in overview, metric
     assert "sum by (node, role, detector, kind)" in overview
+    # At fleet scale: which nodes leak, run a vulnerable release, have a band, verify little.
+    titles = {p["title"] for p in _panels(boards["kvwatch-overview.json"])}
+    assert {
+        "Nodes with mismatches (top 10)",
+        "Nodes running a vulnerable release",
+        "Unsafe band per model across nodes",
+        "Verification coverage per node",
+    } <= titles
+    assert "topk(10, sum by (node)" in overview
     node = "\n".join(_exprs(boards["kvwatch-node.json"]))
     assert "kvwatch_gpu_memory_bytes" in node and 'node="$node"' in node
 

@@ -1,0 +1,456 @@
+"""The fast path to the pager: the daemon posts its counter alerts to Alertmanager itself.
+
+Prometheus pages after scrape + evaluation + ``group_wait`` (about 41 s at worst with production
+intervals, ``alerts/runbook.md``). The daemon knows of a mismatch the moment it reads the spool,
+so for every alert of :mod:`kvwatch.rules` whose condition is a counter's increase
+(:attr:`kvwatch.rules.Alert.increase`) it evaluates that condition on its own ``/metrics`` samples
+and posts the alert to every configured Alertmanager (``POST /api/v2/alerts``, as Prometheus
+sends to all of them and the cluster deduplicates), with exactly the labels the rule gives it:
+``alertname``, the rule's labels, the ``by`` labels of its expression (``node`` from the
+``node`` setting, as Prometheus's target label) and the external labels the operator configures.
+Same labels, same fingerprint: Alertmanager merges the daemon's alert and Prometheus's into one.
+
+Timing mirrors Prometheus, so the two never flap against each other:
+
+- firing: sent at once, re-sent every ``alertmanager_resend`` with ``endsAt = now + 4 x resend``;
+- quiet: from ``scrape interval + 2 ticks + MAX_BATCH_AGE`` before the rule can first resolve
+  (``window`` after the last increase, less one scrape interval) nothing is sent: a firing post
+  landing after Prometheus resolved would re-open the alert (the last ``endsAt`` outlasts it);
+- resolved: ``window + scrape interval + 2 ticks`` after the last increase (after the rule's last
+  firing send) it is sent with ``endsAt = now``, and re-sent with each resend for 15 minutes.
+
+Posting never blocks ingestion: the evaluation runs on its own thread and hands each batch to one
+sender thread per Alertmanager through a bounded queue (the oldest batch is dropped when full);
+every post is counted in ``kvwatch_alertmanager_posts_total{result}``. The Prometheus rule stays
+the path that survives a daemon that cannot reach Alertmanager.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import queue
+import re
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import structlog
+from prometheus_client.core import Metric
+
+from kvspool import catalogue
+from kvwatch.config import Config, ConfigError
+from kvwatch.rules import ALERTS, Alert, Increase
+from kvwatch.state import State
+
+#: How often the conditions are evaluated when no spool poll wakes the pager.
+TICK: Final = 1.0
+#: The least time between two evaluations (the spool poll may wake the pager many times a second;
+#: one evaluation renders the daemon's families, about 3 ms).
+MIN_SPACING: Final = 0.5
+#: How long a resolved alert is re-sent (Prometheus's resolvedRetention).
+RESOLVED_RETENTION: Final = 15 * 60.0
+#: Batches waiting per Alertmanager; beyond it the oldest is dropped (counted).
+QUEUE_BATCHES: Final = 16
+#: A batch older than this is not sent (the Alertmanager stalled): a firing alert re-sent late
+#: could land after Prometheus resolved it and re-open it.
+MAX_BATCH_AGE: Final = 30.0
+#: Prometheus's endsAt for a firing alert: 4 resend delays ahead.
+ENDS_AT_RESENDS: Final = 4
+
+PATH: Final = "/api/v2/alerts"
+
+# -- the rule's annotations, rendered as Prometheus renders them ---------------------------------
+
+_ACTION = re.compile(r"\{\{(.*?)\}\}")
+_LABEL = re.compile(r"^\s*\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)\s*$")
+_PRINTF = re.compile(r'^\s*\$value\s*\|\s*printf\s+"(%\.\d+f)"\s*$')
+_VALUE = re.compile(r"^\s*\$value\s*$")
+
+
+def _go_float(value: float) -> str:
+    """Go's ``%v`` of a float64 for the values a counter's increase takes."""
+    return str(int(value)) if value.is_integer() and abs(value) < 1e21 else repr(value)
+
+
+def render(template: str, labels: dict[str, str], value: float) -> str:
+    """The template language subset the counter alerts use: ``{{ $labels.x }}``,
+    ``{{ $value }}`` and ``{{ $value | printf "%.Nf" }}``; anything else is a ValueError (a test
+    renders every counter alert's annotations, so a new construct fails there, not at 3 a.m.)."""
+
+    def one(match: re.Match[str]) -> str:
+        action = match.group(1)
+        if m := _LABEL.match(action):
+            return labels.get(m.group(1), "")
+        if m := _PRINTF.match(action):
+            return m.group(1) % value
+        if _VALUE.match(action):
+            return _go_float(value)
+        raise ValueError(f"template action not supported by the daemon's fast path: {action!r}")
+
+    return _ACTION.sub(one, template)
+
+
+# -- which alerts, with which labels --------------------------------------------------------------
+
+
+def fast_alerts() -> tuple[Alert, ...]:
+    """The alerts the daemon posts itself: those whose condition is a counter's increase."""
+    return tuple(a for a in ALERTS if a.increase is not None)
+
+
+def counter_labels(counter: str) -> tuple[str, ...]:
+    """The labels the daemon's /metrics gives the catalogued counter ``kvwatch_<counter>``."""
+    family = catalogue.PREFIX + counter
+    for series in catalogue.COUNTERS:
+        if series.family == family:
+            return series.label_names
+    found = catalogue.FAMILY_BY_NAME.get(family)
+    if found is None or found.type != "counter":
+        raise ValueError(f"{family} is not a catalogued counter")
+    return found.labels
+
+
+def kept_labels(increase: Increase) -> tuple[str, ...]:
+    """The ``by`` labels the daemon fills from its own samples: all but ``node``, which is the
+    scrape target's label. A ``by`` label the counter does not carry is an error: the rule would
+    group on a label the daemon cannot know."""
+    own = counter_labels(increase.counter)
+    kept = tuple(name for name in increase.by if name != "node")
+    missing = [name for name in kept if name not in own]
+    if missing or "node" not in increase.by:
+        raise ValueError(
+            f"increase({increase.counter}) by {increase.by}: the daemon can fill node and "
+            f"{own}, not {missing or 'a rule without node'}"
+        )
+    return kept
+
+
+def alert_labels(
+    alert: Alert, node: str, values: dict[str, str], external: dict[str, str]
+) -> dict[str, str]:
+    """The labels Prometheus gives ``alert`` for the series ``values`` on node ``node``: the
+    expression's ``by`` labels, the rule's labels and ``alertname``, then each external label
+    the alert does not already carry (Prometheus never overrides an alert's own label)."""
+    assert alert.increase is not None
+    labels = {name: values[name] for name in kept_labels(alert.increase)}
+    labels["node"] = node
+    labels.update(alert.all_labels)
+    labels["alertname"] = alert.name
+    for name, value in external.items():
+        labels.setdefault(name, value)
+    return labels
+
+
+def alert_annotations(alert: Alert, labels: dict[str, str], value: float) -> dict[str, str]:
+    return {key: render(text, labels, value) for key, text in alert.annotations.items()}
+
+
+# -- the condition, per alert and label set ------------------------------------------------------
+
+FIRING, QUIET, RESOLVED = "firing", "quiet", "resolved"
+#: (time.monotonic() when queued, the alerts) for one Alertmanager.
+_Batch = tuple[float, list[dict[str, Any]]]
+
+
+@dataclass
+class Tracker:
+    """One alert instance (an alert and its label set) as the daemon sees it."""
+
+    alert: Alert
+    labels: dict[str, str]
+    last_value: float
+    #: (time, amount) of each rise still inside the window.
+    rises: deque[tuple[float, float]] = field(default_factory=deque)
+    last_rise: float = 0.0
+    #: The ``$value`` of the last firing post.
+    shown: float = 0.0
+    phase: str = ""
+    starts_at: float = 0.0
+    last_sent: float = 0.0
+    resolved_at: float = 0.0
+
+    @property
+    def window(self) -> float:
+        assert self.alert.increase is not None
+        return self.alert.increase.window_seconds
+
+
+def _rfc3339(ts: float) -> str:
+    moment = datetime.datetime.fromtimestamp(ts, datetime.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class Pager:
+    """Evaluates the counter alerts on the daemon's samples and posts them to Alertmanager.
+
+    ``source`` returns the families the daemon's /metrics serves (the collector's ``collect``).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        state: State,
+        source: Callable[[], Iterable[Metric]],
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.log = structlog.get_logger("kvwatch.pager")
+        self.state = state
+        self.source = source
+        self.clock = clock
+        self.node = config.node_name
+        self.external = dict(config.alertmanager_labels)
+        self.resend = config.alertmanager_resend
+        # The rule resolves at the first evaluation whose window holds no sample from before the
+        # last rise: not before (last rise + window - scrape interval), and its last firing send
+        # is before (last rise + window). TICK covers the pager seeing a rise late.
+        self.resolve_after = config.prometheus_scrape_interval + 2 * TICK
+        self.quiet_ahead = self.resolve_after + MAX_BATCH_AGE
+        self.timeout = config.alertmanager_timeout
+        self.urls = list(config.alertmanager_urls) if config.alertmanager_enabled else []
+        self.alerts = fast_alerts()
+        self.families = {catalogue.exposed(a.increase.counter) for a in self.alerts if a.increase}
+        self._headers = {"Content-Type": "application/json"}
+        if config.alertmanager_username:
+            password = _read_password(config.alertmanager_password_file)
+            token = base64.b64encode(f"{config.alertmanager_username}:{password}".encode())
+            self._headers["Authorization"] = "Basic " + token.decode()
+        self._tls = ssl.create_default_context(cafile=config.alertmanager_ca_file or None)
+        self.trackers: dict[tuple[str, tuple[str, ...]], Tracker] = {}
+        self._baseline: dict[tuple[str, tuple[str, ...]], float] | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._queues = [queue.Queue[_Batch | None](QUEUE_BATCHES) for _ in self.urls]
+        self._threads: list[threading.Thread] = []
+        self._last_eval = 0.0
+        self._evaluating = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Take the baseline (the journal's counters, before the first poll: a daemon restart is
+        no increase) and start the threads."""
+        if not self.enabled:
+            return
+        self.evaluate(self.clock())
+        evaluator = threading.Thread(target=self._run, name="kvwatch-pager", daemon=True)
+        self._threads.append(evaluator)
+        for url, batches in zip(self.urls, self._queues, strict=True):
+            sender = threading.Thread(
+                target=self._send_loop, args=(url, batches), name="kvwatch-pager-send", daemon=True
+            )
+            self._threads.append(sender)
+        for thread in self._threads:
+            thread.start()
+        self.log.info("pager.started", alertmanagers=self.urls, node=self.node)
+
+    def wake(self) -> None:
+        """The spool was polled: evaluate soon (never blocks)."""
+        self._wake.set()
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        for batches in self._queues:
+            _put_dropping_oldest(batches, None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads = []
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(TICK)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            spacing = self._last_eval + MIN_SPACING - time.monotonic()
+            if spacing > 0:
+                self._stop.wait(spacing)
+            self._last_eval = time.monotonic()
+            try:
+                batch = self.evaluate(self.clock())
+            except Exception as exc:  # a bug here must not stop the daemon
+                self.log.error(
+                    "pager.evaluate_failed", error=str(exc), error_type=type(exc).__name__
+                )
+                continue
+            if batch:
+                for batches in self._queues:
+                    if _put_dropping_oldest(batches, (time.monotonic(), batch)):
+                        self._count("dropped")
+
+    def totals(self) -> dict[tuple[str, tuple[str, ...]], float]:
+        """Each counter alert's ``sum by`` over the daemon's samples: (alertname, by-values)."""
+        samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in self.source():
+            for sample in family.samples:
+                if sample.name in self.families:
+                    samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+        out: dict[tuple[str, tuple[str, ...]], float] = {}
+        for alert in self.alerts:
+            assert alert.increase is not None
+            kept = kept_labels(alert.increase)
+            for labels, value in samples.get(catalogue.exposed(alert.increase.counter), []):
+                key = (alert.name, tuple(labels[name] for name in kept))
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def evaluate(self, now: float) -> list[dict[str, Any]]:
+        """Update every tracker from the samples at ``now``; the alerts due to be posted."""
+        with self._evaluating:
+            return self._evaluate(now)
+
+    def _evaluate(self, now: float) -> list[dict[str, Any]]:
+        totals = self.totals()
+        if self._baseline is None:
+            self._baseline = totals
+            return []
+        by_name = {a.name: a for a in self.alerts}
+        for key, value in totals.items():
+            tracker = self.trackers.get(key)
+            before = tracker.last_value if tracker else self._baseline.get(key, 0.0)
+            # A counter that went down was reset: Prometheus's increase counts the new value.
+            rise = value - before if value >= before else value
+            if tracker is None:
+                if rise <= 0:
+                    continue
+                alert = by_name[key[0]]
+                assert alert.increase is not None
+                values = dict(zip(kept_labels(alert.increase), key[1], strict=True))
+                tracker = Tracker(alert, alert_labels(alert, self.node, values, self.external), 0)
+                self.trackers[key] = tracker
+            tracker.last_value = value
+            if rise > 0:
+                tracker.rises.append((now, rise))
+                tracker.last_rise = now
+        due = []
+        for key, tracker in list(self.trackers.items()):
+            if tracker.phase == RESOLVED and now >= tracker.resolved_at + RESOLVED_RETENTION:
+                del self.trackers[key]
+                self._baseline[key] = tracker.last_value
+                continue
+            post = self._step(tracker, now)
+            if post is not None:
+                due.append(post)
+        return due
+
+    def _step(self, tracker: Tracker, now: float) -> dict[str, Any] | None:
+        window = tracker.window
+        while tracker.rises and tracker.rises[0][0] <= now - window:
+            tracker.rises.popleft()
+        if tracker.rises:
+            if tracker.phase in ("", RESOLVED):
+                tracker.phase, tracker.starts_at, tracker.last_sent = FIRING, now, now
+                self.log.warning("pager.firing", **tracker.labels)
+                return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend)
+            if now < tracker.last_rise + window - self.quiet_ahead:
+                if tracker.phase == QUIET:  # a new rise moved the end of the window
+                    tracker.phase, tracker.last_sent = FIRING, 0.0
+                if now >= tracker.last_sent + self.resend:
+                    tracker.last_sent = now
+                    return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend)
+            else:
+                tracker.phase = QUIET
+            return None
+        if tracker.phase in (FIRING, QUIET):
+            if now >= tracker.last_rise + window + self.resolve_after:
+                tracker.phase, tracker.resolved_at, tracker.last_sent = RESOLVED, now, now
+                self.log.info("pager.resolved", **tracker.labels)
+                return self._payload(tracker, now)
+            return None
+        if tracker.phase == RESOLVED and now >= tracker.last_sent + self.resend:
+            tracker.last_sent = now
+            return self._payload(tracker, tracker.resolved_at)
+        return None
+
+    def _payload(self, tracker: Tracker, ends_at: float) -> dict[str, Any]:
+        if tracker.rises:  # a resolved alert keeps its last value, as Prometheus's does
+            tracker.shown = sum(amount for _, amount in tracker.rises)
+        return {
+            "labels": dict(tracker.labels),
+            "annotations": alert_annotations(tracker.alert, tracker.labels, tracker.shown),
+            "startsAt": _rfc3339(tracker.starts_at),
+            "endsAt": _rfc3339(ends_at),
+        }
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def _send_loop(self, url: str, batches: queue.Queue[_Batch | None]) -> None:
+        while True:
+            item = batches.get()
+            if item is None or self._stop.is_set():
+                return
+            queued, batch = item
+            if time.monotonic() - queued > MAX_BATCH_AGE:
+                self._count("dropped")
+                continue
+            try:
+                self.post(url, batch)
+            except (OSError, ValueError) as exc:  # URLError and timeouts are OSErrors
+                self._count("failed")
+                self.log.warning("pager.post_failed", alertmanager=url, error=_reason(exc))
+            else:
+                self._count("sent")
+
+    def post(self, url: str, alerts: list[dict[str, Any]]) -> None:
+        request = urllib.request.Request(
+            url + PATH, data=json.dumps(alerts).encode(), headers=self._headers, method="POST"
+        )
+        context = self._tls if url.startswith("https:") else None
+        with urllib.request.urlopen(request, timeout=self.timeout, context=context) as reply:
+            reply.read()
+
+    def _count(self, result: str) -> None:
+        key = ("alertmanager_posts", (catalogue.POST_RESULT.check(result),))
+        with self.state.lock:
+            self.state.daemon[key] += 1
+
+
+def _put_dropping_oldest(batches: queue.Queue[Any], item: Any) -> bool:
+    """Put ``item``; True when the oldest waiting batch was dropped to make room."""
+    dropped = False
+    while True:
+        try:
+            batches.put_nowait(item)
+            return dropped
+        except queue.Full:
+            try:
+                batches.get_nowait()
+                dropped = True
+            except queue.Empty:
+                pass
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, urllib.error.URLError):
+        return str(exc.reason)
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _read_password(path: str) -> str:
+    if not path:
+        raise ConfigError("alertmanager_username needs alertmanager_password_file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"alertmanager_password_file {path}: cannot read it: {exc.strerror}"
+        ) from None
