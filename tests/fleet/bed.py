@@ -175,6 +175,25 @@ def prometheus_config(intervals: Intervals, victoria_url: str) -> str:
     )
 
 
+def daemon_config(intervals: Intervals, node: str, alertmanagers: list[str]) -> str:
+    """deploy/kvwatch-fleet.toml for one node: its name, the peers, the scrape interval."""
+    source = DEPLOY / "kvwatch-fleet.toml"
+    urls = ", ".join(json.dumps(url) for url in alertmanagers)
+    return substitute(
+        source.read_text(),
+        {
+            'node = "gpu-node-01"': f"node = {json.dumps(node)}",
+            '["http://10.0.0.31:9093", "http://10.0.0.32:9093", "http://10.0.0.33:9093"]': (
+                f"[{urls}]"
+            ),
+            'prometheus_scrape_interval = "15s"': (
+                f'prometheus_scrape_interval = "{_seconds(intervals.scrape_s)}"'
+            ),
+        },
+        source=source,
+    )
+
+
 def alertmanager_config(intervals: Intervals, webhook_url: str) -> str:
     """The example's routing tree and inhibitions; the critical route's waits from
     ``intervals``, every receiver the webhook (resolutions included)."""
@@ -291,8 +310,8 @@ class Fleet:
     workdir: Path
     intervals: Intervals = SHORT
     nodes_count: int = 8
-    #: Extra ``kvwatch daemon`` arguments for a node, given its name and the Alertmanager URLs.
-    daemon_args: Callable[[str, list[str]], list[str]] | None = None
+    #: Each daemon posts its alerts to the Alertmanager peers itself (deploy/kvwatch-fleet.toml).
+    fast_path: bool = False
     nodes: list[Node] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
@@ -361,7 +380,11 @@ class Fleet:
             name = f"node-{i}"
             directory = self.workdir / name
             directory.mkdir()
-            extra = self.daemon_args(name, self.alertmanagers) if self.daemon_args else []
+            extra = []
+            if self.fast_path:
+                config = directory / "kvwatch.toml"
+                config.write_text(daemon_config(self.intervals, name, self.alertmanagers))
+                extra = ["--config", str(config)]
             daemon = DaemonProcess(
                 directory, "--no-nvml", "--poll-interval", "0.2s", "--log-format", "json",
                 *extra,
