@@ -18,15 +18,16 @@ from demo.stack import http_json
 from tests.fleet.bed import PEERS, PRODUCTION, REPLICAS, Fleet
 from tests.fleet.test_fleet import ALERT, expected_labels, group, sent_to, wait_group
 
-STARTED = time.monotonic()
+pytestmark = pytest.mark.slow  # real processes: about a minute each, still in make test
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    started = time.monotonic()
     with Fleet(tmp_path_factory.mktemp("fleet-fast"), PRODUCTION, fast_path=True) as running:
         print(f"\nfleet bed up in {running.started_s:.1f} s: {running.intervals.describe()}")
         yield running
-    print(f"\nfast path module wall time {time.monotonic() - STARTED:.1f} s")
+    print(f"\nfast path module wall time {time.monotonic() - started:.1f} s")
 
 
 def alerts_in_group(fleet: Fleet, am: str, node: str) -> list[dict[str, str]]:
