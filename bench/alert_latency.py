@@ -10,10 +10,11 @@ share of it that the configured intervals account for (the baseline of the same 
 Prometheus replicas, three Alertmanager peers): one leak per node, in turn, each written by a
 real SpoolWriter, timed from the moment the event reached the spool to the group's one
 notification at the webhook, as a ratio to scrape + evaluation + group_wait. ``--production``
-runs the production intervals (15 s + 15 s + 10 s) instead of 1 s + 1 s + 1 s.
+runs the production intervals (15 s + 15 s + 10 s) instead of 1 s + 1 s + 1 s; ``--fast-path``
+has the daemons post their alerts to the Alertmanager peers themselves (deploy/kvwatch-fleet.toml).
 
     python bench/alert_latency.py [--runs 5]
-    PYTHONPATH=. python bench/alert_latency.py --fleet [--runs 8] [--production]
+    PYTHONPATH=. python bench/alert_latency.py --fleet [--runs 8] [--production] [--fast-path]
 """
 
 from __future__ import annotations
@@ -67,13 +68,15 @@ def page_latency(fleet: Fleet, node: Node, request_id: str) -> float:
     return pages()[0].received - leaked
 
 
-def fleet_runs(runs: int, production: bool) -> tuple[list[float], float]:
+def fleet_runs(runs: int, production: bool, fast_path: bool) -> tuple[list[float], float]:
     """Leak to webhook, in seconds, for ``runs`` leaks (one node each); and the budget."""
     intervals = PRODUCTION if production else SHORT
-    with Fleet(Path(tempfile.mkdtemp(prefix="kvwatch-fleet-latency-")), intervals) as fleet:
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-fleet-latency-"))
+    with Fleet(workdir, intervals, fast_path=fast_path) as fleet:
         print(
             f"fleet: {len(fleet.nodes)} kvwatch daemons, 2 Prometheus replicas, 3 Alertmanager "
-            f"peers, up in {fleet.started_s:.1f} s; {intervals.describe()}"
+            f"peers, up in {fleet.started_s:.1f} s; fast path {'on' if fast_path else 'off'}; "
+            f"{intervals.describe()}"
         )
         seconds = []
         for run in range(runs):
@@ -93,6 +96,9 @@ def main() -> None:
     parser.add_argument(
         "--production", action="store_true", help="with --fleet: 15 s + 15 s + 10 s intervals"
     )
+    parser.add_argument(
+        "--fast-path", action="store_true", help="with --fleet: the daemons post to Alertmanager"
+    )
     args = parser.parse_args()
     if args.fleet:
         if fleet_missing_tools():
@@ -100,7 +106,7 @@ def main() -> None:
         runs = args.runs or 8
         if not 1 <= runs <= 8:
             raise SystemExit("--fleet --runs: 1 to 8 (one leak per node of the fleet)")
-        seconds, budget = fleet_runs(runs, args.production)
+        seconds, budget = fleet_runs(runs, args.production, args.fast_path)
         median = statistics.median(seconds)
         print(
             f"fleet median {median:.2f} s over {len(seconds)} leaks (min {min(seconds):.2f}, "

@@ -51,8 +51,11 @@ def group(fleet: Fleet, node: str, status: str) -> list[Notification]:
 
 
 def wait_group(fleet: Fleet, node: str, status: str, timeout: float) -> Notification:
-    fleet.until(f"a {status} {ALERT} notification for {node}", lambda: group(fleet, node, status),
-                timeout)  # fmt: skip
+    fleet.until(
+        f"a {status} {ALERT} notification for {node}",
+        lambda: bool(group(fleet, node, status)),
+        timeout,
+    )
     return group(fleet, node, status)[0]
 
 
