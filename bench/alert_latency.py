@@ -8,8 +8,9 @@ share of it that the configured intervals account for (the baseline of the same 
 
 ``--fleet`` measures the HA fleet instead (tests/fleet/bed.py: 8 kvwatch daemons, two
 Prometheus replicas, three Alertmanager peers): one leak per node, in turn, each written by a
-real SpoolWriter, timed from the moment the event reached the spool to the group's one
-notification at the webhook, as a ratio to scrape + evaluation + group_wait. ``--production``
+real SpoolWriter at a random phase of the scrape interval, timed from the moment the event
+reached the spool to the group's one notification at the webhook, as a ratio to scrape +
+evaluation + group_wait. ``--production``
 runs the production intervals (15 s + 15 s + 10 s) instead of 1 s + 1 s + 1 s; ``--fast-path``
 has the daemons post their alerts to the Alertmanager peers themselves (deploy/kvwatch-fleet.toml).
 
@@ -20,6 +21,7 @@ has the daemons post their alerts to the Alertmanager peers themselves (deploy/k
 from __future__ import annotations
 
 import argparse
+import random
 import secrets
 import statistics
 import tempfile
@@ -81,6 +83,9 @@ def fleet_runs(runs: int, production: bool, fast_path: bool) -> tuple[list[float
         seconds = []
         for run in range(runs):
             node = fleet.nodes[run % len(fleet.nodes)]
+            # A random phase of the scrape interval: a leak right after the last page would
+            # meet the same phase each time.
+            time.sleep(random.uniform(0, intervals.scrape_s))
             seconds.append(page_latency(fleet, node, f"bench-leak-{run}"))
             print(
                 f"run {run + 1} ({node.name}): leak to webhook {seconds[-1]:.2f} s, "

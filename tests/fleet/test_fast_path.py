@@ -16,7 +16,7 @@ import pytest
 
 from demo.stack import http_json
 from tests.fleet.bed import PEERS, PRODUCTION, REPLICAS, Fleet
-from tests.fleet.test_fleet import ALERT, expected_labels, group, sent_to, wait_group
+from tests.fleet.pages import ALERT, expected_labels, group, sent_to, wait_group
 
 pytestmark = pytest.mark.slow  # real processes: about a minute each, still in make test
 
