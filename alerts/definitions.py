@@ -7,6 +7,7 @@ itself (:mod:`kvwatch.pager`), and the wheel ships ``kvwatch`` but not this fold
 from kvwatch.rules import (
     ALERTS,
     ALERTS_GROUP,
+    BELOW_FLOOR_PD,
     BELOW_FLOOR_RELEASE_RE,
     JOB_SELECTOR,
     PD_RELEASE_ENGINES,
@@ -15,8 +16,10 @@ from kvwatch.rules import (
     RULES_GROUP,
     RUNBOOK_BASE,
     SEVERITIES,
+    VULNERABLE_PD,
     VULNERABLE_RELEASE_RE,
     Alert,
+    Context,
     Increase,
     RecordingRule,
 )
@@ -24,6 +27,7 @@ from kvwatch.rules import (
 __all__ = [
     "ALERTS",
     "ALERTS_GROUP",
+    "BELOW_FLOOR_PD",
     "BELOW_FLOOR_RELEASE_RE",
     "JOB_SELECTOR",
     "PD_RELEASE_ENGINES",
@@ -32,8 +36,10 @@ __all__ = [
     "RULES_GROUP",
     "RUNBOOK_BASE",
     "SEVERITIES",
+    "VULNERABLE_PD",
     "VULNERABLE_RELEASE_RE",
     "Alert",
+    "Context",
     "Increase",
     "RecordingRule",
 ]

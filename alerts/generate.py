@@ -126,7 +126,7 @@ def prometheus_rules() -> dict[str, Any]:
         if a.for_:
             rule["for"] = a.for_
         rule["labels"] = a.all_labels
-        rule["annotations"] = a.annotations
+        rule["annotations"] = {k: prometheus_template(v, a) for k, v in a.annotations.items()}
         alerts.append(rule)
     return {
         "groups": [
@@ -134,6 +134,24 @@ def prometheus_rules() -> dict[str, Any]:
             {"name": d.ALERTS_GROUP, "rules": alerts},
         ]
     }
+
+
+def _context_re(context: d.Context) -> re.Pattern[str]:
+    return re.compile(r"\{\{ " + re.escape(context.name) + r" \}\}")
+
+
+def prometheus_template(text: str, alert: d.Alert) -> str:
+    """An alert's ``{{ <context> }}`` as a ``query`` over the alert's labels (0 when none)."""
+    for context in alert.context:
+        args = " ".join(f"$labels.{label}" for label in context.by)
+        # Go's printf: %[n]q is the n-th argument, quoted (the selector appears twice).
+        selector = "{" + ", ".join(f"{lb}=%[{i}]q" for i, lb in enumerate(context.by, 1)) + "}"
+        block = (
+            f"{{{{ with printf `{context.expr(selector)}` {args} | query }}}}"
+            '{{ . | first | value | printf "%.0f" }}{{ else }}0{{ end }}'
+        )
+        text = _context_re(context).sub(lambda _m: block, text)  # noqa: B023 (used at once)
+    return text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,9 +182,57 @@ def inline_recording_rules(expr: str, rules: Sequence[d.RecordingRule] = d.RECOR
     return expand(expr, 0)
 
 
-def grafana_template(text: str) -> str:
-    """Prometheus's ``$value`` is Grafana's ``$values.B.Value`` (the reduce step below)."""
-    return re.sub(r"\$value\b", "$values.B.Value", text)
+def grafana_template(text: str, alert: d.Alert | None = None) -> str:
+    """Prometheus's ``$value`` is Grafana's ``$values.B.Value`` (the reduce step below); an
+    alert's ``{{ <context> }}`` is the reduce step of its own query (:func:`_context_queries`)."""
+    text = re.sub(r"\$value\b", "$values.B.Value", text)
+    for ref, context in _context_refs(alert):
+        value = '{{ printf "%.0f" .Value }}'
+        block = f"{{{{ with $values.{ref} }}}}{value}{{{{ else }}}}0{{{{ end }}}}"
+        text = _context_re(context).sub(lambda _m: block, text)  # noqa: B023 (used at once)
+    return text
+
+
+def _context_refs(alert: d.Alert | None) -> list[tuple[str, d.Context]]:
+    """Each context's reduce step's refId: E, G, ... (its query is the letter before)."""
+    contexts = alert.context if alert else ()
+    return [(chr(ord("E") + 2 * i), c) for i, c in enumerate(contexts)]
+
+
+def _context_queries(alert: d.Alert) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for ref, context in _context_refs(alert):
+        query = chr(ord(ref) - 1)
+        out.append(
+            {
+                "refId": query,
+                "relativeTimeRange": {"from": GRAFANA_QUERY_RANGE_S, "to": 0},
+                "datasourceUid": GRAFANA_DATASOURCE_UID,
+                "model": {
+                    "refId": query,
+                    "datasource": {"type": "prometheus", "uid": GRAFANA_DATASOURCE_UID},
+                    "expr": context.expr(),
+                    "instant": True,
+                    "range": False,
+                    "legendFormat": "__auto",
+                },
+            }
+        )
+        out.append(
+            {
+                "refId": ref,
+                "relativeTimeRange": {"from": 0, "to": 0},
+                "datasourceUid": "__expr__",
+                "model": {
+                    "refId": ref,
+                    "datasource": {"type": "__expr__", "uid": "__expr__"},
+                    "type": "reduce",
+                    "expression": query,
+                    "reducer": "last",
+                },
+            }
+        )
+    return out
 
 
 def grafana_rule(alert: d.Alert) -> dict[str, Any]:
@@ -212,12 +278,13 @@ def grafana_rule(alert: d.Alert) -> dict[str, Any]:
                     "expression": "$B >= 0 || $B < 0",
                 },
             },
+            *_context_queries(alert),
         ],
         "noDataState": "OK",
         "execErrState": "Error",
         "for": alert.for_ or "0s",
         "labels": alert.all_labels,
-        "annotations": {k: grafana_template(v) for k, v in alert.annotations.items()},
+        "annotations": {k: grafana_template(v, alert) for k, v in alert.annotations.items()},
         "isPaused": False,
     }
 

@@ -28,6 +28,7 @@ from dashboards.common import (
     timeseries_panel,
 )
 from kvspool.catalogue import exposed
+from kvwatch.rules import VULNERABLE_PD
 
 UID = "kvwatch-overview"
 #: Nodes the fleet tables list, worst first.
@@ -107,9 +108,9 @@ def build() -> dash.Dashboard:
             ids,
             "Vulnerable engines in PD mode",
             "Engine processes running a release before 0.5.20 as prefill or decode (recording "
-            "rule kvwatch:engine_info:vulnerable_pd from alerts/kvwatch.rules.yml). Runbook: "
+            f"rule {VULNERABLE_PD} from alerts/kvwatch.rules.yml). Runbook: "
             "KVEngineReleaseVulnerable.",
-            f"count(kvwatch:engine_info:vulnerable_pd{{{NODE_ROLE}}}) or vector(0)",
+            f"count({VULNERABLE_PD}{{{NODE_ROLE}}}) or vector(0)",
         )
     )
     board = board.with_panel(
@@ -183,12 +184,12 @@ def build() -> dash.Dashboard:
             ids,
             "Nodes running a vulnerable release",
             "Engine processes on a release before 0.5.20 serving prefill or decode, by node "
-            "(recording rule kvwatch:engine_info:vulnerable_pd; KVEngineReleaseVulnerable). Empty "
+            f"(recording rule {VULNERABLE_PD}; KVEngineReleaseVulnerable). Empty "
             "is good.",
             [
                 instant_table_query(
                     "count by (node, role, engine, version, model) "
-                    f"(kvwatch:engine_info:vulnerable_pd{{{NODE_ROLE}}})"
+                    f"({VULNERABLE_PD}{{{NODE_ROLE}}})"
                 )
             ],
             rename={"Value": "processes"},

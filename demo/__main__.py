@@ -4,7 +4,8 @@ Starts minipd as SGLang 0.5.19 in PD mode with kvwatch's hooks in log mode, the 
 Prometheus with kvwatch's alert rules and Alertmanager (from Debian's packages: installed when
 missing and running as root, otherwise the demo says how and runs the rest), and a webhook
 receiver standing in for the pager. Then it replays the incident: sixteen users plant codes, one
-prompt lands in the unsafe band, the reply carries other users' codes, and the page arrives.
+prompt lands in the unsafe band, the reply carries other users' codes, kvwatch names whose KV
+the reply was made of (``kvwatch incidents --exposed``), and the page arrives.
 
 On a terminal it keeps everything running until Ctrl-C, so you can look around; otherwise it
 stops when the scenario is done.
@@ -76,6 +77,8 @@ def show_page(page: Page) -> None:
             f"      {alert.get('annotations', {}).get('summary', '')}",
             flush=True,
         )
+        if labels.get("alertname") == "KVIntegrityMismatch":  # it counts the exposed requests
+            print(f"      {alert.get('annotations', {}).get('description', '')}", flush=True)
 
 
 def replay(stack: Stack) -> None:
@@ -119,6 +122,22 @@ def incidents(stack: Stack) -> None:
     print("\n".join(lines))
 
 
+def exposed(stack: Stack) -> None:
+    """The disclosure view, from the journal: who received other users' KV, and whose."""
+    print("\n== kvwatch incidents --exposed (whose KV the leaking request received)", flush=True)
+    view = subprocess.run(
+        [
+            sys.executable, "-m", "kvwatch.cli", "incidents", "--exposed",
+            "--journal", str(stack.journal),
+        ],
+        capture_output=True, text=True, cwd=REPO, check=False,
+    )  # fmt: skip
+    lines = (view.stdout or view.stderr).rstrip().splitlines()
+    if len(lines) > 30:
+        lines = [*lines[:28], f"    ... {len(lines) - 29} more", lines[-1]]
+    print("\n".join(lines), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
     parser.add_argument(
@@ -146,11 +165,13 @@ def main() -> int:
             print(f"    Prometheus alerts   {stack.prometheus_url}/alerts")
             print(f"    Alertmanager        {stack.alertmanager_url}")
         print(f"    incidents           kvwatch incidents --journal {stack.journal}")
+        print(f"    exposed requests    kvwatch incidents --exposed --journal {stack.journal}")
         print(f"    the engine (SGLang /generate API)  {stack.minipd_url}/generate", flush=True)
         if alerting:
             stack.wait_scraped()
         replay(stack)
         incidents(stack)
+        exposed(stack)
         if alerting and stack.webhook is not None:
             print("\n== Waiting for the page ...", flush=True)
             stack.webhook.wait_for("KVIntegrityMismatch", timeout=60)

@@ -275,6 +275,13 @@ DAEMON_FAMILIES: Final = (
         ("detector", "role", "kind"),
     ),
     Family(
+        "kvwatch_exposed_requests",
+        "counter",
+        "Requests whose KV a detection event's reader was exposed to (each distinct source once"
+        " per event, the ones the event only counts included), by the reader's role.",
+        ("role",),
+    ),
+    Family(
         "kvwatch_spool_records",
         "counter",
         "Spool records committed to the journal.",

@@ -23,6 +23,7 @@ from kvspool.catalogue import DETECTOR, KIND, OTHER, ROLE
 from kvwatch import __version__, assets, dashboards_push, probe
 from kvwatch import config as configuration
 from kvwatch.clihelp import Formatter, Parser, add_command, fail, paint, use_colour
+from kvwatch.incidents import EXPOSED_VERSION
 
 # What `incidents` filters on: the catalogue's names ("other" is no detector or kind of its own).
 DETECTORS = tuple(v for v in DETECTOR.sorted_values if v != OTHER)
@@ -62,7 +63,14 @@ def _daemon(args: argparse.Namespace) -> int:
     try:
         config = configuration.load(args.config)
         overrides: dict[str, object] = {}
-        for key in ("spool_dir", "journal", "listen", "retention", "records_retention"):
+        for key in (
+            "spool_dir",
+            "journal",
+            "listen",
+            "retention",
+            "records_retention",
+            "incidents_log",
+        ):
             value = getattr(args, key)
             if value is not None:
                 overrides[key] = value
@@ -89,17 +97,17 @@ def _daemon(args: argparse.Namespace) -> int:
 # -- kvwatch incidents -----------------------------------------------------------------------
 
 
-def parse_since(text: str, now: float) -> float:
+def parse_since(text: str, now: float, *, option: str = "--since") -> float:
     """A Unix time from a duration back from now (``1h``) or a UTC date or time (ISO 8601)."""
     try:
-        return now - configuration.parse_duration(text, setting="--since")
+        return now - configuration.parse_duration(text, setting=option)
     except configuration.ConfigError:
         pass
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
         raise configuration.ConfigError(
-            f"--since {text!r}: expected a duration (1h, 7d) or a UTC time "
+            f"{option} {text!r}: expected a duration (1h, 7d) or a UTC time "
             "(2026-11-30 or 2026-11-30T14:00:00Z)"
         ) from None
     if moment.tzinfo is None:
@@ -125,34 +133,83 @@ def _journal_problem(path: str) -> str | None:
     return None
 
 
+def _log_problem(path: str) -> str | None:
+    from kvwatch.incidents_log import rotated
+
+    log = Path(path)
+    if log.is_dir():
+        return f"the incidents log {path} is a directory, not a file"
+    if log.exists() and not log.is_file():
+        return f"the incidents log {path} is not a regular file"
+    files = rotated(log)
+    if not files:
+        return f"no incidents log at {path} (give the daemon's incidents_log path)"
+    for file in files:
+        if not os.access(file, os.R_OK):
+            return f"the incidents log {file} is not readable by this user (try sudo)"
+    return None
+
+
 def _incidents(args: argparse.Namespace) -> int:
-    from kvwatch import incidents
+    from kvwatch import incidents, incidents_log
     from kvwatch.journal import Journal, JournalError
 
     now = time.time()
     try:
         since = None if args.since is None else parse_since(args.since, now)
+        until = None if args.until is None else parse_since(args.until, now, option="--until")
         _choice("--detector", args.detector, DETECTORS)
         _choice("--kind", args.kind, KINDS)
     except configuration.ConfigError as exc:
         return fail("incidents", str(exc), 2)
-    problem = _journal_problem(args.journal)
-    if problem:
-        return fail("incidents", problem)
-    try:
-        journal = Journal(args.journal, readonly=True)
+    default = [] if args.incidents_log else [configuration.DEFAULT_JOURNAL]
+    journals: list[str] = args.journal or default
+    for path in journals:
+        problem = _journal_problem(path)
+        if problem:
+            return fail("incidents", problem)
+    for path in args.incidents_log or []:
+        problem = _log_problem(path)
+        if problem:
+            return fail("incidents", problem)
+    found: list[list[dict[str, Any]]] = []
+    for path in journals:
         try:
-            # The absolute time: a "since" given as a timestamp must not drift by the query's
-            # own latency.
-            rows = journal.incidents(since=since, detector=args.detector)
-        finally:
-            journal.close()
-    except (JournalError, sqlite3.Error, OSError) as exc:
-        return fail("incidents", f"cannot read the journal {args.journal}: {exc}")
-    if args.kind is not None:
-        rows = [row for row in rows if row["kind"] == args.kind]
-    incidents.render(rows, sys.stdout, as_json=args.json)
-    return 0
+            journal = Journal(path, readonly=True)
+            try:
+                # The absolute time: a "since" given as a timestamp must not drift by the
+                # query's own latency.
+                found.append(journal.incidents(since=since, until=until, detector=args.detector))
+            finally:
+                journal.close()
+        except (JournalError, sqlite3.Error, OSError) as exc:
+            return fail("incidents", f"cannot read the journal {path}: {exc}")
+    read = incidents_log.ReadResult()
+    for path in args.incidents_log or []:
+        try:
+            incidents_log.read(Path(path), read)
+        except OSError as exc:
+            return fail("incidents", f"cannot read the incidents log {path}: {exc.strerror or exc}")
+    found.append(read.rows)
+    for error in read.errors[:_SHOWN_ERRORS]:
+        print(f"kvwatch incidents: {error}; skipped", file=sys.stderr)
+    if read.skipped:
+        print(
+            f"kvwatch incidents: {read.skipped} line(s) skipped in the incidents log(s); "
+            "every other line is listed",
+            file=sys.stderr,
+        )
+    rows = incidents.merge(found, since=since, until=until, detector=args.detector, kind=args.kind)
+    if args.exposed:
+        view = incidents.exposure(rows, since=since, until=until)
+        incidents.render_exposure(view, sys.stdout, as_json=args.json)
+    else:
+        incidents.render(rows, sys.stdout, as_json=args.json)
+    return 1 if read.skipped else 0
+
+
+#: Skipped log lines named one by one; the rest are counted.
+_SHOWN_ERRORS = 20
 
 
 # -- kvwatch check-logs ----------------------------------------------------------------------
@@ -261,16 +318,36 @@ def build_parser() -> argparse.ArgumentParser:
     inc = add_command(
         commands,
         "incidents",
-        help="list the requests a detector flagged, from the journal",
+        help="list the requests a detector flagged, or whose KV they received (--exposed)",
         description="The affected requests, for the disclosure team: time, node, role, engine, "
-        "request id, detector, kind and pages. Reads the journal without locking the daemon out.",
+        "request id, detector, kind, exposed sources and pages. Reads the journal without "
+        "locking the daemon out. Several journals (--journal, repeated) and incidents logs "
+        "(--incidents-log, rotated files included) merge into one fleet-wide list; an incident "
+        "in both a journal and a log is listed once. --exposed prints the disclosure view: "
+        "every request that received other requests' KV (readers), every request whose KV was "
+        "received (sources), and the pages. Exit 1 when a log line could not be read (the "
+        "others are listed).",
         examples=[
             "kvwatch incidents --since 24h --detector canary",
-            "kvwatch incidents --since 2026-11-30T00:00:00Z --json > incidents.json",
+            "kvwatch incidents --exposed --since 2026-11-30T00:00:00Z --until 2026-12-01",
+            "kvwatch incidents --exposed --json --incidents-log /srv/fleet/node-*.jsonl "
+            "> disclosure.json",
+            "kvwatch incidents --journal node-a.db --journal node-b.db --since 7d",
         ],
     )
     inc.add_argument(
-        "--journal", default=configuration.DEFAULT_JOURNAL, help="the daemon's SQLite journal"
+        "--journal",
+        action="append",
+        metavar="FILE",
+        help="a daemon's SQLite journal, repeatable "
+        f"(default: {configuration.DEFAULT_JOURNAL} when no --incidents-log is given)",
+    )
+    inc.add_argument(
+        "--incidents-log",
+        dest="incidents_log",
+        action="append",
+        metavar="FILE",
+        help="a daemon's incidents log (JSON lines; FILE.1, FILE.2 ... are read too), repeatable",
     )
     inc.add_argument(
         "--since",
@@ -279,11 +356,26 @@ def build_parser() -> argparse.ArgumentParser:
         "(2026-11-30T14:00:00Z) (default: all)",
     )
     inc.add_argument(
+        "--until",
+        metavar="WHEN",
+        help="only incidents before then, as --since (default: now)",
+    )
+    inc.add_argument(
         "--detector",
         help=f"only this detector: {', '.join(sorted(DETECTORS))} (default: all)",
     )
     inc.add_argument("--kind", help=f"only this kind: {', '.join(sorted(KINDS))} (default: all)")
-    inc.add_argument("--json", action="store_true", help="a JSON array, for machines")
+    inc.add_argument(
+        "--exposed",
+        action="store_true",
+        help="the disclosure view: readers, the sources whose KV they received, pages, counts",
+    )
+    inc.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON for machines: an array of incidents, or with --exposed the disclosure view "
+        f"(format v{EXPOSED_VERSION}, docs/architecture.md)",
+    )
     inc.set_defaults(func=_incidents)
 
     check = add_command(
@@ -382,6 +474,13 @@ def _add_daemon(commands: Any) -> None:
         metavar="FILE",
         help="SQLite incident journal, on persistent disk "
         f"(default: {configuration.DEFAULT_JOURNAL})",
+    )
+    d.add_argument(
+        "--incidents-log",
+        dest="incidents_log",
+        metavar="FILE",
+        help="append every incident as a JSON line here, for a log shipper; 'off' for none "
+        f"(default: {configuration.INCIDENTS_LOG_NAME} beside the journal)",
     )
     d.add_argument(
         "--listen",

@@ -9,6 +9,9 @@ Example (``deploy/kvwatch.toml``)::
     retention = "30d"            # incidents, rejects, gaps
     records_retention = "2d"     # the per-record accounting rows
     allowed_users = ["sglang"]   # who may write spool segments (default: the daemon's own user)
+    incidents_log = "/var/lib/kvwatch/incidents.jsonl"  # default: beside the journal; "off"
+    incidents_log_max_bytes = 67108864  # rotated at this size
+    incidents_log_keep = 5              # rotated files kept (PATH.1 ... PATH.5)
 
     [[logs]]
     path = "/var/log/sglang/prefill.log"
@@ -58,6 +61,8 @@ DEFAULT_PORT: Final = 29321
 DEFAULT_LISTEN: Final = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_SPOOL_DIR: Final = "/run/kvwatch/spool"
 DEFAULT_JOURNAL: Final = "/var/lib/kvwatch/journal.db"
+#: The incidents log's file name, beside the journal unless configured.
+INCIDENTS_LOG_NAME: Final = "incidents.jsonl"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -140,6 +145,9 @@ class Config:
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
     logs: list[EngineLog] = field(default_factory=list)
+    incidents_log: str = ""
+    incidents_log_max_bytes: int = 64 << 20
+    incidents_log_keep: int = 5
     node: str = ""
     alertmanager_urls: list[str] = field(default_factory=list)
     alertmanager_enabled: bool = True
@@ -160,6 +168,14 @@ class Config:
     @property
     def quarantine(self) -> str:
         return self.quarantine_dir or str(Path(self.spool_dir) / "quarantine")
+
+    @property
+    def incidents_log_path(self) -> str | None:
+        """Where incidents are appended as JSON lines: beside the journal unless set; None
+        when set to "off"."""
+        if self.incidents_log == "off":
+            return None
+        return self.incidents_log or str(Path(self.journal).parent / INCIDENTS_LOG_NAME)
 
     def uids(self) -> list[int]:
         return self.allowed_uids or [os.geteuid()]
@@ -182,6 +198,7 @@ _STRINGS: Final = {
     "tls_cert_file",
     "tls_key_file",
     "tls_client_ca_file",
+    "incidents_log",
     "node",
     "alertmanager_ca_file",
     "alertmanager_username",
@@ -233,13 +250,18 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
             config.alertmanager_labels = _external_labels(value)
         elif key == "allowed_uids":
             config.allowed_uids = [_integer(key, v) for v in _list(key, value)]
-        elif key == "quarantine_max":
-            config.quarantine_max = _integer(key, value)
+        elif key in ("quarantine_max", "incidents_log_max_bytes", "incidents_log_keep"):
+            setattr(config, key, _integer(key, value))
         elif key in _STRINGS:
             if not isinstance(value, str):
                 raise ConfigError(f"{key}: expected a string, got {value!r}")
             setattr(config, key, value)
     parse_listen(config.listen)
+    if config.incidents_log_max_bytes < 4096 or config.incidents_log_keep < 0:
+        raise ConfigError(
+            "incidents_log_max_bytes must be at least 4096 and incidents_log_keep at least 0, "
+            f"got {config.incidents_log_max_bytes} and {config.incidents_log_keep}"
+        )
     return config
 
 

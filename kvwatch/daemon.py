@@ -29,6 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from kvwatch import __version__
 from kvwatch.config import Config, ConfigError, parse_listen
+from kvwatch.incidents_log import IncidentsLog
 from kvwatch.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
 from kvwatch.logwatch import LogWatcher
 from kvwatch.metrics import KvwatchCollector
@@ -131,6 +132,16 @@ class Daemon:
             quarantine_max=config.quarantine_max,
         )
         self.logs = LogWatcher(config.logs, self.state)
+        log_path = config.incidents_log_path
+        self.incidents_log = log_path and IncidentsLog(
+            log_path, max_bytes=config.incidents_log_max_bytes, keep=config.incidents_log_keep
+        )
+        if self.incidents_log:
+            # Where the log stands, before the first poll stores incidents (ids may be reused).
+            try:
+                self.incidents_log.recover(self.journal)
+            except (OSError, sqlite3.Error) as exc:
+                self.log.error("incidents_log.recover_failed", path=log_path, error=_reason(exc))
         self.nvml = Nvml(config.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KvwatchCollector(self.state, self.nvml))
@@ -188,6 +199,7 @@ class Daemon:
             tls=bool(self.config.tls_cert_file),
             spool_dir=self.config.spool_dir,
             journal=self.config.journal,
+            incidents_log=self.config.incidents_log_path,
             logs=[log.path for log in self.config.logs],
             nvml=self.nvml.up,
         )
@@ -292,7 +304,21 @@ class Daemon:
                 ok = False
                 self.log.error("journal.prune_failed", error=str(exc))
             self._done("journal", ok, started)
+        if self.incidents_log:  # after a prune too, before the next poll reuses an id
+            self._ship_incidents(self.incidents_log)
         return more
+
+    def _ship_incidents(self, log: IncidentsLog) -> None:
+        """Append what the journal committed to the incidents log (what is not written now is
+        written on a later round: the journal keeps the mark)."""
+        started = time.perf_counter()
+        try:
+            log.drain(self.journal)  # this thread's connection, as the reader's
+            ok = True
+        except (OSError, sqlite3.Error) as exc:
+            ok = False
+            self.log.error("incidents_log.write_failed", path=str(log.path), error=_reason(exc))
+        self._done("incidents_log", ok, started)
 
     def _spool_present(self) -> bool:
         """False (collector_success 0, a warning) while the spool folder is missing; takes the

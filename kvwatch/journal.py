@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from kvwatch.state import (
     totals,
 )
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 #: Retired producers kept in memory (and in the producers table) before the oldest are folded.
 MAX_RETIRED_PRODUCERS: Final = 1024
 #: A retired producer is never folded sooner: one whose spool directory was removed comes back
@@ -61,6 +62,22 @@ class IncidentRow(NamedTuple):
     pages: str  # JSON array of page ids
     pages_total: int
     detail: str  # JSON object
+    #: Source requests beyond the ones named in ``exposures``, and their pages.
+    other_sources: int
+    other_source_pages: int
+
+
+class ExposureRow(NamedTuple):
+    """One row of ``exposures``: a reader -> source edge. The reader is the incident of
+    (``producer``, ``seq``); the source is a request whose KV ``pages`` of its pages held."""
+
+    producer: str
+    seq: int
+    ts: float
+    request_id: str
+    instance: str | None
+    pages: int
+    written_at: float
 
 
 class RejectRow(NamedTuple):
@@ -119,6 +136,8 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE TABLE IF NOT EXISTS incidents (id INTEGER PRIMARY KEY, {_columns(IncidentRow)});
 CREATE INDEX IF NOT EXISTS incidents_ts ON incidents (ts);
+CREATE TABLE IF NOT EXISTS exposures (id INTEGER PRIMARY KEY, {_columns(ExposureRow)});
+CREATE INDEX IF NOT EXISTS exposures_reader ON exposures (producer, seq);
 CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY, {_columns(RejectRow)});
 CREATE TABLE IF NOT EXISTS gaps (
     id INTEGER PRIMARY KEY, ts REAL NOT NULL, producer TEXT NOT NULL,
@@ -137,15 +156,29 @@ _MIGRATE_1: Final = (
     "ALTER TABLE rejects ADD COLUMN producer TEXT",
     "ALTER TABLE rejects ADD COLUMN seq INTEGER",
 )
+#: Schema 2 -> 3: the sources an incident's reader was exposed to (``exposures``, created with
+#: the schema, and the count of the unnamed rest on the incident).
+_MIGRATE_2: Final = (
+    "ALTER TABLE incidents ADD COLUMN other_sources INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE incidents ADD COLUMN other_source_pages INTEGER NOT NULL DEFAULT 0",
+)
+_MIGRATIONS: Final = {1: _MIGRATE_1, 2: _MIGRATE_2}
 _INSERT_INCIDENT: Final = _insert("incidents", IncidentRow)
+_INSERT_EXPOSURE: Final = _insert("exposures", ExposureRow)
+_SELECT_EXPOSURES: Final = _select("exposures", ExposureRow)
 _INSERT_REJECT: Final = _insert("rejects", RejectRow)
-_SELECT_INCIDENTS: Final = _select("incidents", IncidentRow)
+_SELECT_INCIDENTS_ID: Final = "SELECT id, " + _select("incidents", IncidentRow)[len("SELECT ") :]
+#: A schema 2 journal, read only: no sources.
+_SELECT_INCIDENTS_2: Final = _SELECT_INCIDENTS_ID.replace(
+    "other_sources, other_source_pages", "0, 0"
+)
 _PRODUCER_COLUMNS: Final = (
     "id, name, engine, engine_version, role, model, rank, node, pid, first_seen, last_ts,"
     " last_seq, counters, gauges, retired, retired_at"
 )
 _decode_counters: Final = msgspec.json.Decoder(list[CounterSeries]).decode
 _encode_json: Final = msgspec.json.Encoder().encode
+_decode_json: Final = msgspec.json.Decoder().decode
 
 _SEP: Final = "\x1f"  # joins label values in the counters table
 
@@ -164,6 +197,7 @@ class Batch:
 
     records: list[tuple[int, int, str, float]] = field(default_factory=list)
     incidents: list[IncidentRow] = field(default_factory=list)
+    exposures: list[ExposureRow] = field(default_factory=list)
     rejects: list[RejectRow] = field(default_factory=list)
     gaps: list[tuple[float, str, int, int]] = field(default_factory=list)
     segments: dict[str, Segment] = field(default_factory=dict)
@@ -197,7 +231,16 @@ class Journal:
             uri = f"file:{self.path}?mode=ro"
             self.db = sqlite3.connect(uri, uri=True, isolation_level=None)
             self.db.execute("PRAGMA query_only = ON")
+            schema = self.meta("schema")
+            # A reader may hold a journal the daemon has not migrated yet (a copy from another
+            # node, an older kvwatch): schema 2 reads as one without sources.
+            self.schema = int(schema) if schema is not None and schema.isdigit() else 0
+            if self.schema not in (2, SCHEMA_VERSION):
+                raise JournalError(
+                    f"{self.path}: journal schema {schema}, expected 2 or {SCHEMA_VERSION}"
+                )
             return
+        self.schema = SCHEMA_VERSION
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, isolation_level=None)
         mode = self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -212,10 +255,11 @@ class Journal:
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
         ).fetchone()
         row = has_meta and self.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-        if row and int(row[0]) == 1:
+        if row and int(row[0]) in _MIGRATIONS:
             self.db.execute("BEGIN IMMEDIATE")
-            for statement in _MIGRATE_1:
-                self.db.execute(statement)
+            for version in range(int(row[0]), SCHEMA_VERSION):
+                for statement in _MIGRATIONS[version]:
+                    self.db.execute(statement)
             self.db.execute(
                 "UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),)
             )
@@ -227,6 +271,8 @@ class Journal:
             self.db.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
             )
+        # Names this journal in the incidents log, whose high-water mark is only valid for it.
+        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('journal_id', ?)", (uuid.uuid4().hex,))
 
     def close(self) -> None:
         self.db.close()
@@ -300,6 +346,8 @@ class Journal:
                 db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", batch.records)
             if batch.incidents:
                 db.executemany(_INSERT_INCIDENT, batch.incidents)
+            if batch.exposures:
+                db.executemany(_INSERT_EXPOSURE, batch.exposures)
             if batch.rejects:
                 db.executemany(_INSERT_REJECT, batch.rejects)
             if batch.gaps:
@@ -349,7 +397,7 @@ class Journal:
         db = self.db
         try:
             db.execute("BEGIN IMMEDIATE")
-            for table in ("incidents", "rejects", "gaps"):
+            for table in ("incidents", "exposures", "rejects", "gaps"):
                 deleted += db.execute(f"DELETE FROM {table} WHERE ts < ?", (cutoff,)).rowcount
             # Rows are appended in commit order, so their rowids follow time (closely enough: a
             # skewed producer clock only delays a deletion): delete below the first row inside
@@ -410,28 +458,73 @@ class Journal:
     # -- queries ------------------------------------------------------------------------------
 
     def incidents(
-        self, *, since: float | None = None, detector: str | None = None
+        self,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        detector: str | None = None,
+        after_id: int | None = None,
+        limit: int | None = None,
     ) -> list[dict[str, Any]]:
-        sql = _SELECT_INCIDENTS
+        """Incidents in time order (``after_id``: in id order, those after it), each with the
+        journal's row ``id`` and its ``sources`` (the exposures, most pages first)."""
+        sql = _SELECT_INCIDENTS_ID if self.schema == SCHEMA_VERSION else _SELECT_INCIDENTS_2
         where: list[str] = []
         args: list[Any] = []
-        if since is not None:
-            where.append("ts >= ?")
-            args.append(since)
-        if detector is not None:
-            where.append("detector = ?")
-            args.append(detector)
+        for clause, value in (
+            ("ts >= ?", since),
+            ("ts < ?", until),
+            ("detector = ?", detector),
+            ("id > ?", after_id),
+        ):
+            if value is not None:
+                where.append(clause)
+                args.append(value)
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY ts, id"
+        sql += " ORDER BY id" if after_id is not None else " ORDER BY ts, id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
         out = []
+        names = ("id", *IncidentRow._fields)
         for row in self.db.execute(sql, args):
-            item: dict[str, Any] = IncidentRow(*row)._asdict()
+            item: dict[str, Any] = dict(zip(names, row, strict=True))
             item["time"] = item.pop("ts")
-            item["pages"] = json.loads(item["pages"])
-            item["detail"] = json.loads(item["detail"])
+            item["pages"] = _decode_json(item["pages"])
+            item["detail"] = _decode_json(item["detail"])
+            item["id"] = item.pop("id")  # after the record's fields, as before ids were shown
+            item["sources"] = []
             out.append(item)
+        if out and self.schema == SCHEMA_VERSION:
+            self._attach_sources(out)
         return out
+
+    def _attach_sources(self, incidents: list[dict[str, Any]]) -> None:
+        by_reader = {(i["producer"], i["seq"]): i for i in incidents}
+        low = min(i["time"] for i in incidents)
+        high = max(i["time"] for i in incidents)
+        # An edge has its incident's time: one scan of the time range finds them all.
+        for row in self.db.execute(
+            _SELECT_EXPOSURES + " WHERE ts >= ? AND ts <= ? ORDER BY pages DESC, id", (low, high)
+        ):
+            edge = ExposureRow(*row)
+            reader = by_reader.get((edge.producer, edge.seq))
+            if reader is not None:
+                reader["sources"].append(
+                    {
+                        "request_id": edge.request_id,
+                        "instance": edge.instance,
+                        "pages": edge.pages,
+                        "written_at": edge.written_at,
+                    }
+                )
+
+    def meta(self, key: str) -> str | None:
+        value = self.scalar("SELECT value FROM meta WHERE key = ?", (key,))
+        return None if value is None else str(value)
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     def scalar(self, sql: str, args: Iterable[Any] = ()) -> Any:
         row = self.db.execute(sql, tuple(args)).fetchone()

@@ -35,7 +35,7 @@ def _family(name: str, value: float | None = None) -> CounterMetricFamily | Gaug
 
 
 LOG_ERROR_REASONS: Final = ("unparsed", "encoding", "long_line", "read_error")
-COLLECTORS: Final = ("spool", "logs", "nvml", "journal")
+COLLECTORS: Final = ("spool", "logs", "nvml", "journal", "incidents_log")
 GPU_STATES: Final = ("total", "used", "free")
 
 
@@ -114,6 +114,10 @@ class KvwatchCollector(Collector):
         for key in _grid(tuple(label.sorted_values for label in labels)):
             incidents.add_metric(list(key), state.daemon.get(("incidents", key), 0.0))
         yield incidents
+        exposed = _family("kvwatch_exposed_requests")
+        for role in catalogue.ROLE.sorted_values:
+            exposed.add_metric([role], state.daemon.get(("exposed_requests", (role,)), 0.0))
+        yield exposed
         yield _family(
             "kvwatch_spool_records",
             value=state.daemon.get(("spool_records", ()), 0.0),

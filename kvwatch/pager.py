@@ -38,7 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -47,13 +47,13 @@ from prometheus_client.core import Metric
 
 from kvspool import catalogue
 from kvwatch.config import Config, ConfigError
-from kvwatch.rules import ALERTS, Alert, Increase
+from kvwatch.rules import ALERTS, Alert, Context, Increase
 from kvwatch.state import State
 
 #: How often the conditions are evaluated when no spool poll wakes the pager.
 TICK: Final = 1.0
 #: The least time between two evaluations (the spool poll may wake the pager many times a second;
-#: one evaluation renders the daemon's families, about 3 ms).
+#: one evaluation renders the daemon's families, about 3 ms, unless no record arrived).
 MIN_SPACING: Final = 0.5
 #: How long a resolved alert is re-sent (Prometheus's resolvedRetention).
 RESOLVED_RETENTION: Final = 15 * 60.0
@@ -80,13 +80,22 @@ def _go_float(value: float) -> str:
     return str(int(value)) if value.is_integer() and abs(value) < 1e21 else repr(value)
 
 
-def render(template: str, labels: dict[str, str], value: float) -> str:
+def render(
+    template: str,
+    labels: dict[str, str],
+    value: float,
+    context: Mapping[str, float] | None = None,
+) -> str:
     """The template language subset the counter alerts use: ``{{ $labels.x }}``,
-    ``{{ $value }}`` and ``{{ $value | printf "%.Nf" }}``; anything else is a ValueError (a test
-    renders every counter alert's annotations, so a new construct fails there, not at 3 a.m.)."""
+    ``{{ $value }}``, ``{{ $value | printf "%.Nf" }}`` and an alert's context numbers
+    (``{{ <name> }}``, :class:`kvwatch.rules.Context`, shown as Prometheus shows them: ``%.0f``);
+    anything else is a ValueError (a test renders every counter alert's annotations, so a new
+    construct fails there, not at 3 a.m.)."""
 
     def one(match: re.Match[str]) -> str:
         action = match.group(1)
+        if context and action.strip() in context:
+            return f"{context[action.strip()]:.0f}"
         if m := _LABEL.match(action):
             return labels.get(m.group(1), "")
         if m := _PRINTF.match(action):
@@ -118,7 +127,7 @@ def counter_labels(counter: str) -> tuple[str, ...]:
     return found.labels
 
 
-def kept_labels(increase: Increase) -> tuple[str, ...]:
+def kept_labels(increase: Increase | Context) -> tuple[str, ...]:
     """The ``by`` labels the daemon fills from its own samples: all but ``node``, which is the
     scrape target's label. A ``by`` label the counter does not carry is an error: the rule would
     group on a label the daemon cannot know."""
@@ -149,8 +158,27 @@ def alert_labels(
     return labels
 
 
-def alert_annotations(alert: Alert, labels: dict[str, str], value: float) -> dict[str, str]:
-    return {key: render(text, labels, value) for key, text in alert.annotations.items()}
+def alert_annotations(
+    alert: Alert,
+    labels: dict[str, str],
+    value: float,
+    context: Mapping[str, float] | None = None,
+) -> dict[str, str]:
+    return {key: render(text, labels, value, context) for key, text in alert.annotations.items()}
+
+
+def growth(samples: deque[tuple[float, float]], now: float, window: float) -> float:
+    """How much a counter grew over ``(now - window, now]``, from (time, value) samples: the
+    newest value less the one it had when the window opened (its first sample when it is
+    younger), never below 0 (a reset), as the rule's Context query computes it."""
+    if not samples:
+        return 0.0
+    start = samples[0][1]
+    for when, value in samples:
+        if when > now - window:
+            break
+        start = value
+    return max(0.0, samples[-1][1] - start)
 
 
 # -- the condition, per alert and label set ------------------------------------------------------
@@ -218,6 +246,11 @@ class Pager:
         self.urls = list(config.alertmanager_urls) if config.alertmanager_enabled else []
         self.alerts = fast_alerts()
         self.families = {catalogue.exposed(a.increase.counter) for a in self.alerts if a.increase}
+        #: The alerts' context numbers (:class:`kvwatch.rules.Context`): their samples, by
+        #: (name, kept label values), trimmed to the window.
+        self.contexts = {c.name: c for a in self.alerts for c in a.context}
+        self.families |= {catalogue.exposed(c.counter) for c in self.contexts.values()}
+        self._context_samples: dict[tuple[str, tuple[str, ...]], deque[tuple[float, float]]] = {}
         self._headers = {"Content-Type": "application/json"}
         if config.alertmanager_username:
             password = _read_password(config.alertmanager_password_file)
@@ -226,6 +259,7 @@ class Pager:
         self._tls = ssl.create_default_context(cafile=config.alertmanager_ca_file or None)
         self.trackers: dict[tuple[str, tuple[str, ...]], Tracker] = {}
         self._baseline: dict[tuple[str, tuple[str, ...]], float] | None = None
+        self._seen: tuple[float, float] = (-1.0, -1.0)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._queues = [queue.Queue[_Batch | None](QUEUE_BATCHES) for _ in self.urls]
@@ -296,18 +330,49 @@ class Pager:
 
     def totals(self) -> dict[tuple[str, tuple[str, ...]], float]:
         """Each counter alert's ``sum by`` over the daemon's samples: (alertname, by-values)."""
+        return self._sums(self._samples())[0]
+
+    def _samples(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         samples: dict[str, list[tuple[dict[str, str], float]]] = {}
         for family in self.source():
             for sample in family.samples:
                 if sample.name in self.families:
                     samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+        return samples
+
+    def _sums(
+        self, samples: dict[str, list[tuple[dict[str, str], float]]]
+    ) -> tuple[dict[tuple[str, tuple[str, ...]], float], dict[tuple[str, tuple[str, ...]], float]]:
+        """The alerts' sums (:meth:`totals`) and the contexts' sums, by (name, kept values)."""
         out: dict[tuple[str, tuple[str, ...]], float] = {}
-        for alert in self.alerts:
-            assert alert.increase is not None
-            kept = kept_labels(alert.increase)
-            for labels, value in samples.get(catalogue.exposed(alert.increase.counter), []):
-                key = (alert.name, tuple(labels[name] for name in kept))
-                out[key] = out.get(key, 0.0) + value
+        sources: list[tuple[str, Increase | Context, dict[tuple[str, tuple[str, ...]], float]]]
+        sources = [(a.name, a.increase, out) for a in self.alerts if a.increase is not None]
+        contexts: dict[tuple[str, tuple[str, ...]], float] = {}
+        sources += [(name, c, contexts) for name, c in self.contexts.items()]
+        for name, summed, into in sources:
+            kept = kept_labels(summed)
+            for labels, value in samples.get(catalogue.exposed(summed.counter), []):
+                key = (name, tuple(labels[label] for label in kept))
+                into[key] = into.get(key, 0.0) + value
+        return out, contexts
+
+    def _note_contexts(self, now: float, sums: dict[tuple[str, tuple[str, ...]], float]) -> None:
+        for key, value in sums.items():
+            samples = self._context_samples.setdefault(key, deque())
+            if not samples or samples[-1][1] != value:
+                samples.append((now, value))
+            window = self.contexts[key[0]].window_seconds
+            # Keep the newest sample from before the window: the value the window opened with.
+            while len(samples) > 1 and samples[1][0] <= now - window:
+                samples.popleft()
+
+    def context_values(self, alert: Alert, labels: dict[str, str], now: float) -> dict[str, float]:
+        """The alert's context numbers for the instance ``labels`` at ``now``."""
+        out = {}
+        for context in alert.context:
+            key = (context.name, tuple(labels[label] for label in kept_labels(context)))
+            samples = self._context_samples.get(key, deque())
+            out[context.name] = growth(samples, now, context.window_seconds)
         return out
 
     def evaluate(self, now: float) -> list[dict[str, Any]]:
@@ -315,8 +380,22 @@ class Pager:
         with self._evaluating:
             return self._evaluate(now)
 
+    def _changes(self) -> tuple[float, float]:
+        """Moves whenever the reader applies a record or counts a lost one: the counters the
+        alerts watch change only then."""
+        with self.state.lock:
+            daemon = self.state.daemon
+            return daemon.get(("spool_records", ()), 0.0), daemon.get(
+                ("spool_lost_records", ()), 0.0
+            )
+
     def _evaluate(self, now: float) -> list[dict[str, Any]]:
-        totals = self.totals()
+        changes = self._changes()
+        if self._baseline is not None and not self.trackers and changes == self._seen:
+            return []  # nothing read, nothing firing: skip rendering the families (about 3 ms)
+        self._seen = changes
+        totals, context_sums = self._sums(self._samples())
+        self._note_contexts(now, context_sums)
         if self._baseline is None:
             self._baseline = totals
             return []
@@ -356,34 +435,39 @@ class Pager:
         if tracker.rises:
             if tracker.phase in ("", RESOLVED):
                 tracker.phase, tracker.starts_at, tracker.last_sent = FIRING, now, now
-                self.log.warning("pager.firing", **tracker.labels)
-                return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend)
+                self.log.warning("pager.firing", alert=tracker.alert.name, labels=tracker.labels)
+                return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend, now)
             if now < tracker.last_rise + window - self.quiet_ahead:
                 if tracker.phase == QUIET:  # a new rise moved the end of the window
                     tracker.phase, tracker.last_sent = FIRING, 0.0
                 if now >= tracker.last_sent + self.resend:
                     tracker.last_sent = now
-                    return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend)
+                    return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend, now)
             else:
                 tracker.phase = QUIET
             return None
         if tracker.phase in (FIRING, QUIET):
             if now >= tracker.last_rise + window + self.resolve_after:
                 tracker.phase, tracker.resolved_at, tracker.last_sent = RESOLVED, now, now
-                self.log.info("pager.resolved", **tracker.labels)
-                return self._payload(tracker, now)
+                self.log.info("pager.resolved", alert=tracker.alert.name, labels=tracker.labels)
+                return self._payload(tracker, now, now)
             return None
         if tracker.phase == RESOLVED and now >= tracker.last_sent + self.resend:
             tracker.last_sent = now
-            return self._payload(tracker, tracker.resolved_at)
+            return self._payload(tracker, tracker.resolved_at, now)
         return None
 
-    def _payload(self, tracker: Tracker, ends_at: float) -> dict[str, Any]:
+    def _payload(self, tracker: Tracker, ends_at: float, now: float) -> dict[str, Any]:
         if tracker.rises:  # a resolved alert keeps its last value, as Prometheus's does
             tracker.shown = sum(amount for _, amount in tracker.rises)
         return {
             "labels": dict(tracker.labels),
-            "annotations": alert_annotations(tracker.alert, tracker.labels, tracker.shown),
+            "annotations": alert_annotations(
+                tracker.alert,
+                tracker.labels,
+                tracker.shown,
+                self.context_values(tracker.alert, tracker.labels, now),
+            ),
             "startsAt": _rfc3339(tracker.starts_at),
             "endsAt": _rfc3339(ends_at),
         }

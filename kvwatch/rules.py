@@ -62,6 +62,12 @@ class RecordingRule:
     expr: str
 
 
+def _seconds(window: str) -> float:
+    """A PromQL range (``5m``) in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    return float(window[:-1]) * units[window[-1]]
+
+
 @dataclass(frozen=True)
 class Increase:
     """The condition ``sum by (<by>) (increase(<counter>[<window>])) > 0``: a catalogued counter
@@ -76,14 +82,42 @@ class Increase:
 
     @property
     def window_seconds(self) -> float:
-        units = {"s": 1, "m": 60, "h": 3600}
-        return float(self.window[:-1]) * units[self.window[-1]]
+        return _seconds(self.window)
 
     @property
     def expr(self) -> str:
         return (
             f"sum by ({', '.join(self.by)}) (increase({exposed(self.counter)}[{self.window}])) > 0"
         )
+
+
+@dataclass(frozen=True)
+class Context:
+    """A second number an alert's description states, beside ``$value``: how much ``counter``
+    grew over ``window`` where its ``by`` labels are the alert's, written ``{{ <name> }}`` in the
+    description. Prometheus runs it with the ``query`` template function; Grafana runs it as one
+    more query of the rule (``$values.<ref>``), summed by ``by``; the daemon's fast path
+    (:mod:`kvwatch.pager`) from its own samples."""
+
+    name: str
+    #: The catalogued family without ``kvwatch_`` (:func:`kvspool.catalogue.exposed`).
+    counter: str
+    by: tuple[str, ...]
+    window: str = "5m"
+
+    @property
+    def window_seconds(self) -> float:
+        return _seconds(self.window)
+
+    def expr(self, selector: str = "") -> str:
+        """Summed over ``selector`` (Prometheus), or by ``by`` without one (Grafana). The exact
+        difference, not ``increase()``: a count of requests must not be extrapolated (12
+        became 18 in the demo); a series younger than the window counts from its zero."""
+        by = f" by ({', '.join(self.by)})" if not selector else ""
+        family = exposed(self.counter)
+        total = f"sum{by} ({family}{selector})"
+        before = f"sum{by} ({family}{selector} offset {self.window})"
+        return f"clamp_min({total} - ({before} or {total} * 0), 0)"
 
 
 @dataclass(frozen=True)
@@ -98,6 +132,7 @@ class Alert:
     labels: dict[str, str] = field(default_factory=dict)
     #: Set when the expression is a counter's increase: the daemon posts this alert itself.
     increase: Increase | None = None
+    context: tuple[Context, ...] = ()
 
     @property
     def anchor(self) -> str:
@@ -120,6 +155,11 @@ class Alert:
             "runbook_url": self.runbook_url,
         }
 
+
+VULNERABLE_PD = "kvwatch:engine_info:vulnerable_pd"
+"""The recording rule: engine processes on a vulnerable release in PD mode (dashboards too)."""
+BELOW_FLOOR_PD = "kvwatch:engine_info:below_floor_pd"
+"""The recording rule: engine processes on a release below the recommended floor in PD mode."""
 
 RULES_GROUP = "kvwatch.rules"
 ALERTS_GROUP = "kvwatch.alerts"
@@ -168,7 +208,7 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         ),
     ),
     RecordingRule(
-        "kvwatch:engine_info:vulnerable_pd",
+        VULNERABLE_PD,
         _q(
             f"""
             {exposed("engine_info")}{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{VULNERABLE_RELEASE_RE}`}}
@@ -176,7 +216,7 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
         ),
     ),
     RecordingRule(
-        "kvwatch:engine_info:below_floor_pd",
+        BELOW_FLOOR_PD,
         _q(
             f"""
             {exposed("engine_info")}{{engine=~"{PD_RELEASE_ENGINES}", role=~"{PD_ROLES}", version=~`{BELOW_FLOOR_RELEASE_RE}`}}
@@ -187,9 +227,18 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
 
 _WHERE = "{{ $labels.role }} on node {{ $labels.node }}"
 
+#: Requests whose KV a reader on the alert's node and role received in the last 5 minutes.
+EXPOSED_REQUESTS = Context("exposed_requests", "exposed_requests", ("node", "role"))
+
 
 def _on_increase(
-    *, name: str, severity: str, increase: Increase, summary: str, description: str
+    *,
+    name: str,
+    severity: str,
+    increase: Increase,
+    summary: str,
+    description: str,
+    context: tuple[Context, ...] = (),
 ) -> Alert:
     """An alert on a counter's increase, its expression written from ``increase``."""
     return Alert(
@@ -199,6 +248,7 @@ def _on_increase(
         summary=summary,
         description=description,
         increase=increase,
+        context=context,
     )
 
 
@@ -213,8 +263,11 @@ ALERTS: tuple[Alert, ...] = (
             "The {{ $labels.detector }} detector on "
             + _WHERE
             + ' found {{ $value | printf "%.0f" }} KV integrity mismatch(es) of kind '
-            "{{ $labels.kind }} in the last 5 minutes."
+            "{{ $labels.kind }} in the last 5 minutes. Findings there exposed the KV of "
+            "{{ exposed_requests }} request(s) (counted per finding; kvwatch incidents --exposed "
+            "names each once)."
         ),
+        context=(EXPOSED_REQUESTS,),
     ),
     Alert(
         name="KVPoolSmallerThanContext",
@@ -260,8 +313,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVEngineReleaseVulnerable",
         severity="critical",
         expr=_q(
-            """
-            count by (node, role, engine, model, version) (kvwatch:engine_info:vulnerable_pd) > 0
+            f"""
+            count by (node, role, engine, model, version) ({VULNERABLE_PD}) > 0
             """
         ),
         summary="An engine release that leaks unwritten KV pages in PD mode is serving "
@@ -277,8 +330,8 @@ ALERTS: tuple[Alert, ...] = (
         name="KVEngineReleaseBelowFloor",
         severity="info",
         expr=_q(
-            """
-            count by (node, role, engine, model, version) (kvwatch:engine_info:below_floor_pd) > 0
+            f"""
+            count by (node, role, engine, model, version) ({BELOW_FLOOR_PD}) > 0
             """
         ),
         summary="An engine release below the recommended floor 0.5.22 is serving disaggregated "

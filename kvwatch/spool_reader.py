@@ -41,7 +41,7 @@ from kvspool import SchemaError, catalogue, decode_payload, iter_frames
 from kvspool.framing import SEGMENT_SUFFIX
 from kvspool.records import SERIES_OF, TYPE_NAME, Counters, Event, Gauges, Hello, Record, Seal
 from kvspool.writer import PRIVATE_SUFFIX
-from kvwatch.journal import Batch, Journal, RejectRow
+from kvwatch.journal import Batch, ExposureRow, Journal, RejectRow
 from kvwatch.state import Producer, Segment, State
 
 SEGMENT_NAME: Final = re.compile(
@@ -544,8 +544,12 @@ class SpoolReader:
                 _encode_json(record.pages).decode(),
                 record.pages_total,
                 _encode_json(detail).decode() if detail else "{}",
+                record.other_sources,
+                record.other_source_pages,
             )  # type: ignore[arg-type]
         )
+        if record.sources or record.other_sources:
+            self._exposures(producer, record, ts)
         raw = (record.detector, producer.role, record.kind)
         key = self._incident_keys.get(raw)
         if key is None:
@@ -554,6 +558,26 @@ class SpoolReader:
             key = ("incidents", (_DETECTOR(raw[0]), _ROLE(raw[1]), _KIND(raw[2])))
             self._incident_keys[raw] = key
         self._incidents_seen[key] += 1
+
+    def _exposures(self, producer: Producer, record: Event, ts: float) -> None:
+        """The reader -> source edges of an event, and the exposed requests it counts: each
+        distinct source once, the ones counted only in ``other_sources`` too."""
+        name, seq = producer.name, record.seq
+        named: set[str] = set()
+        for source in record.sources:
+            named.add(source.request_id)
+            self._batch.exposures.append(
+                ExposureRow(
+                    name,
+                    seq,
+                    ts,
+                    source.request_id,
+                    source.instance,
+                    source.pages,
+                    source.written_at,
+                )
+            )
+        self._count("exposed_requests", (_ROLE(producer.role),), len(named) + record.other_sources)
 
     def _lost(self, producer: Producer, first: int, last: int) -> None:
         count = last - first + 1

@@ -7,7 +7,8 @@ open and the first poll committed); anything else is 404.
 The page: a headline that is the worst of four checks (integrity; the unsafe band; coverage: a
 live producer, a detector that verifies, the spool present; freshness of the last record), each
 with the line an on-call needs; pool against context for each engine role with the unsafe band
-drawn; the latest incidents from the journal. Server-rendered HTML with inline SVG: no script,
+drawn; whose KV the latest incident's reader received (its sources); the latest incidents from
+the journal. Server-rendered HTML with inline SVG: no script,
 no external asset, refreshed by the browser every few seconds.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvspool.catalogue import unsafe_band
 from kvwatch import __version__
+from kvwatch.incidents import exposed_count
 from kvwatch.journal import Journal, JournalError
 from kvwatch.metrics import engine_views
 from kvwatch.state import State
@@ -123,7 +125,9 @@ def _integrity(h: Health) -> Check:
     if h.lost_records:
         parts.append(f"{h.lost_records:,.0f} spool record(s) lost")
     return Check(
-        "integrity", "alarm", "INTEGRITY ALERT: " + ", ".join(parts) + "; see kvwatch incidents"
+        "integrity",
+        "alarm",
+        "INTEGRITY ALERT: " + ", ".join(parts) + "; see kvwatch incidents --exposed",
     )
 
 
@@ -249,8 +253,11 @@ def _incidents_table(incidents: list[dict[str, Any]], error: str | None) -> str:
         return '<p class="empty">No incidents in the journal.</p>'
     head = "".join(
         f"<th>{h}</th>"
-        for h in ("time (UTC)", "node", "role", "engine", "request", "detector", "kind", "pages")
-    )
+        for h in (
+            "time (UTC)", "node", "role", "engine", "request", "detector", "kind", "sources",
+            "pages",
+        )
+    )  # fmt: skip
     rows = []
     for inc in incidents:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(inc["time"]))
@@ -258,9 +265,38 @@ def _incidents_table(incidents: list[dict[str, Any]], error: str | None) -> str:
         if inc["pages_total"] > 16:
             pages += f" (+{inc['pages_total'] - 16})"
         cells = (when, inc["node"], inc["role"], inc["engine"], inc["request_id"],
-                 inc["detector"], inc["kind"], pages)  # fmt: skip
+                 inc["detector"], inc["kind"], exposed_count(inc), pages)  # fmt: skip
         rows.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
     return f'<table id="incident-table"><tr>{head}</tr>{"".join(rows)}</table>'
+
+
+def _latest_sources(incidents: list[dict[str, Any]]) -> str:
+    """Whose KV the latest incident's reader received: what the disclosure team asks first."""
+    if not incidents:
+        return '<p class="empty">No incidents in the journal.</p>'
+    latest = incidents[0]
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(latest["time"]))
+    said = (
+        f"<p>Request <b>{_e(latest['request_id'])}</b> on {_e(latest['node']) or '-'} "
+        f"({_e(latest['role'])}, {_e(latest['detector'])} {_e(latest['kind'])}, {_e(when)})"
+    )
+    if not latest["sources"] and not latest["other_sources"]:
+        return said + " named no sources: the detector cannot tell whose data the pages held.</p>"
+    items = "".join(
+        f'<li data-source="{_e(s["request_id"])}">{_e(s["request_id"])}'
+        f"{' (' + _e(s['instance']) + ')' if s['instance'] else ''}: {s['pages']:,} page(s)</li>"
+        for s in latest["sources"]
+    )
+    if latest["other_sources"]:
+        items += (
+            f"<li>and {latest['other_sources']:,} more request(s):"
+            f" {latest['other_source_pages']:,} page(s)</li>"
+        )
+    return (
+        f"{said} received the KV of {exposed_count(latest):,} other request(s):</p>"
+        f'<ul id="source-list">{items}</ul>'
+        "<p>All of them, for a time range: <code>kvwatch incidents --exposed --since 24h</code></p>"
+    )
 
 
 STYLE = """
@@ -314,6 +350,9 @@ def render(state: State, incidents: list[dict[str, Any]], error: str | None = No
 <p>Grey: the advertised context. Blue: the KV pool. Red: the unsafe band, prompts long enough to
 pass the context check that the pool cannot hold.</p>
 {_pool_chart(rows)}
+</section>
+<section id="exposed"><h2>Exposed by the latest incident</h2>
+{_latest_sources(incidents) if not error else ""}
 </section>
 <section id="incidents"><h2>Latest incidents</h2>
 {_incidents_table(incidents, error)}

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from alerts import generate
+from alerts import definitions, generate
 from tests.alerts.tooling import ALERTS, REPO, run, tool
 
 GRAFANA_FILE = REPO / generate.GRAFANA_RULES
@@ -65,14 +65,48 @@ def test_file_is_grafana_provisioning_format() -> None:
         assert query["datasourceUid"] == generate.GRAFANA_DATASOURCE_UID
         assert query["model"]["instant"] is True
         assert query["relativeTimeRange"]["from"] > 0
-        for expr_query in rule["data"][1:]:
+        for expr_query in rule["data"][1:3]:
             assert expr_query["datasourceUid"] == "__expr__"
+        _check_context_queries(rule)
         condition = {q["refId"]: q for q in rule["data"]}[rule["condition"]]["model"]
         assert condition["type"] == "math" and condition["expression"] == "$B >= 0 || $B < 0"
         # Grafana interpolates environment variables in labels (and `${...}` in annotations).
         assert all("${" not in v for v in rule["annotations"].values())
         assert all("$" not in v for v in rule["labels"].values())
         assert rule["noDataState"] == "OK" and rule["execErrState"] == "Error"
+
+
+def _check_context_queries(rule: dict[str, Any]) -> None:
+    """A description's second number (definitions.Context): a Prometheus query summed by labels
+    the alert's own expression keeps, reduced to its last value, named in the description."""
+    [alert] = [a for a in definitions.ALERTS if a.name == rule["title"]]
+    extra = rule["data"][3:]
+    assert len(extra) == 2 * len(alert.context)
+    for query, reduce, context in zip(extra[::2], extra[1::2], alert.context, strict=True):
+        assert query["datasourceUid"] == generate.GRAFANA_DATASOURCE_UID
+        assert query["model"]["instant"] is True
+        by = re.search(r"sum by \(([^)]*)\)", query["model"]["expr"])
+        assert by and set(by.group(1).split(", ")) == set(context.by)
+        kept = re.search(r"sum by \(([^)]*)\)", rule["data"][0]["model"]["expr"])
+        assert kept and set(context.by) <= set(kept.group(1).split(", ")), rule["title"]
+        assert (
+            reduce["model"]["type"] == "reduce"
+            and reduce["model"]["expression"] == (query["refId"])
+        )
+        assert f"$values.{reduce['refId']}" in rule["annotations"]["description"]
+
+
+def _to_prometheus_text(title: str, text: str) -> str:
+    """A Grafana annotation as the Prometheus one: ``$value`` for the reduce step B, and each
+    context query's block (checked above) as the Prometheus ``query`` block."""
+    [alert] = [a for a in definitions.ALERTS if a.name == title]
+    text = text.replace("$values.B.Value", "$value")
+    for ref, context in generate._context_refs(alert):
+        marker = "{{ " + context.name + " }}"
+        grafana_block = generate.grafana_template(marker, alert)
+        assert f"$values.{ref}" in grafana_block
+        text = text.replace(grafana_block, generate.prometheus_template(marker, alert))
+    return text
 
 
 def test_same_alerts_as_prometheus() -> None:
@@ -89,9 +123,7 @@ def test_same_alerts_as_prometheus() -> None:
         )
         assert graf["labels"] == prom["labels"], name
         assert graf["for"] == prom.get("for", "0s"), name
-        annotations = {
-            k: v.replace("$values.B.Value", "$value") for k, v in graf["annotations"].items()
-        }
+        annotations = {k: _to_prometheus_text(name, v) for k, v in graf["annotations"].items()}
         assert annotations == prom["annotations"], name
 
 
@@ -104,7 +136,7 @@ def _as_prometheus(grafana: dict[str, Any]) -> dict[str, Any]:
             rebuilt["for"] = rule["for"]
         rebuilt["labels"] = rule["labels"]
         rebuilt["annotations"] = {
-            k: v.replace("$values.B.Value", "$value") for k, v in rule["annotations"].items()
+            k: _to_prometheus_text(rule["title"], v) for k, v in rule["annotations"].items()
         }
         rules.append(rebuilt)
     return {"groups": [{"name": "grafana", "rules": rules}]}

@@ -28,3 +28,25 @@ def test_demo_shows_the_leak_and_the_detectors_records() -> None:
         "kind=unwritten_page",
     ):
         assert line in out
+
+
+def test_make_demo_prints_the_disclosure_view_after_the_leak() -> None:
+    """``make demo`` (``python -m demo``): after the leaked reply, the disclosure view from the
+    journal: readers, sources, counts."""
+    done = subprocess.run(
+        [sys.executable, "-m", "demo", "--no-hold"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=child_env(),
+    )
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-2000:]
+    leak = out.index("other users' codes in the reply: ['CANARY-")
+    view = out.index("== kvwatch incidents --exposed")
+    assert leak < view
+    shown = out[view:]
+    assert "READERS: requests that received other requests' KV" in shown
+    assert "SOURCES: requests whose KV was received" in shown
+    assert " reader(s), " in shown and " named source(s) and " in shown

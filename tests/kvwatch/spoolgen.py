@@ -70,6 +70,9 @@ class Producer:
         kind: str = "unwritten_page",
         pages: list[int] | None = None,
         instance: str | None = None,
+        sources: list[dict[str, Any]] | None = None,
+        other_sources: int = 0,
+        other_source_pages: int = 0,
     ) -> bytes:
         pages = [1, 2, 3, 4, 5, 6, 7] if pages is None else pages
         fields = {
@@ -84,6 +87,10 @@ class Producer:
         }
         if instance is not None:
             fields["instance"] = instance
+        if sources or other_sources:
+            fields["sources"] = sources or []
+            fields["other_sources"] = other_sources
+            fields["other_source_pages"] = other_source_pages
         return self.frame("event", fields)
 
     def counters(self, verifications: int, *, mismatches: int = 0) -> bytes:

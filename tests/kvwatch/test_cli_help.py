@@ -70,6 +70,16 @@ def test_daemon_help_states_the_defaults_that_come_from_config() -> None:
     shown = (
         "default: 30d", "default: 2d", "default: 250ms", "default: 5s", "default: 127.0.0.1:29321",
         "default: /run/kvwatch/spool", ":PORT means every interface", "SIGHUP",
+        "default: incidents.jsonl beside the journal",
     )  # fmt: skip
     for words in shown:
         assert words in " ".join(text.split()), words
+
+
+def test_incidents_help_names_the_fleet_and_disclosure_options() -> None:
+    text = " ".join(COMMANDS["incidents"].format_help().split())
+    for words in (
+        "--journal FILE", "repeatable", "--incidents-log FILE", "FILE.1, FILE.2", "--until WHEN",
+        "--exposed", "the disclosure view", "format v1", "listed once",
+    ):  # fmt: skip
+        assert words in text, words

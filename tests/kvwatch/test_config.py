@@ -122,6 +122,10 @@ def test_log_flags_are_validated(flag: str, message: str) -> None:
         ("[[logs]]\npath = '/x'\nrole = 'decod'\n", "(did you mean 'decode'?)"),
         ("[[logs]]\npath = '/x'\nengnie = 'vllm'\n", "(did you mean 'engine'?)"),
         ('listen = "29321"\n', "expected HOST:PORT or :PORT"),
+        ("incidents_log_max_bytes = '64MiB'\n", "incidents_log_max_bytes: expected a whole"),
+        ("incidents_log_max_bytes = 100\n", "incidents_log_max_bytes must be at least 4096"),
+        ("incidents_log_keep = -1\n", "incidents_log_keep at least 0"),
+        ("incidents_log = 1\n", "incidents_log: expected a string"),
     ],
 )
 def test_config_values_are_checked(tmp_path: Path, text: str, message: str) -> None:
@@ -148,3 +152,14 @@ def test_allowed_users_take_names_and_numeric_uids(tmp_path: Path) -> None:
     # A uid as a string (as --allowed-user passes it) needs no passwd entry: 54321 has none.
     path.write_text("allowed_users = ['root', '54321', 65534]\n")
     assert load(path).uids() == [0, 54321, 65534]
+
+
+def test_the_incidents_log_defaults_beside_the_journal(tmp_path: Path) -> None:
+    path = tmp_path / "kvwatch.toml"
+    path.write_text('journal = "/srv/kv/journal.db"\n')
+    assert load(path).incidents_log_path == "/srv/kv/incidents.jsonl"
+    path.write_text('incidents_log = "/logs/i.jsonl"\nincidents_log_keep = 2\n')
+    config = load(path)
+    assert config.incidents_log_path == "/logs/i.jsonl" and config.incidents_log_keep == 2
+    path.write_text('incidents_log = "off"\n')
+    assert load(path).incidents_log_path is None

@@ -14,6 +14,7 @@ MODULES = (
     "kvwatch.nvml",
     "kvwatch.checklogs",
     "kvwatch.incidents",
+    "kvwatch.incidents_log",
     "kvwatch.config",
 )
 

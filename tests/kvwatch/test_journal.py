@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 
 from kvspool import encode_frame, encode_payload
+from kvwatch.incidents_log import IncidentsLog
 from kvwatch.journal import RETIRED_GRACE, IncidentRow, Journal, JournalError
 from kvwatch.spool_reader import SpoolReader
 from tests.kvwatch.spoolgen import T0, Producer
@@ -141,6 +143,11 @@ def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal
             "detector": "checksum", "kind": "digest", "mode": "enforce", "action": "enforced",
             "request_id": "req-42", "instance": "req-42#2", "pages": [5, 9], "pages_total": 12,
             "detail": {"b": "x", "a": 1},
+            "sources": [
+                {"request_id": "req-7", "instance": "req-7#1", "pages": 9, "written_at": T0},
+                {"request_id": "req-8", "pages": 3},
+            ],
+            "other_sources": 4, "other_source_pages": 6,
         },
     )  # fmt: skip
     p.append(hello, encode_frame(encode_payload(event)))
@@ -151,9 +158,17 @@ def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal
         "engine_version": "0.33.0", "model": "llama", "rank": 3, "producer": p.name, "seq": 2,
         "request_id": "req-42", "instance": "req-42#2", "detector": "checksum", "kind": "digest",
         "mode": "enforce", "action": "enforced", "pages": [5, 9], "pages_total": 12,
-        "detail": {"a": 1, "b": "x"},
+        "detail": {"a": 1, "b": "x"}, "other_sources": 4, "other_source_pages": 6, "id": 1,
+        "sources": [
+            {"request_id": "req-7", "instance": "req-7#1", "pages": 9, "written_at": T0},
+            {"request_id": "req-8", "instance": None, "pages": 3, "written_at": 0.0},
+        ],
     }  # fmt: skip
-    assert list(row) == [*IncidentRow._fields[1:], "time"]
+    assert list(row) == [*IncidentRow._fields[1:], "time", "id", "sources"]
+    # The edges are committed with the incident: a second journal connection sees both.
+    other = Journal(journal.path, readonly=True)
+    assert other.incidents() == [row]
+    other.close()
 
 
 def test_a_schema_1_journal_is_migrated(tmp_path: Path) -> None:
@@ -196,5 +211,74 @@ def test_a_schema_1_journal_is_migrated(tmp_path: Path) -> None:
     state = journal.load()
     assert state.producers["p"].node == "node-a"
     assert state.hook_counter_totals()[("kvwatch_verifications", ("canary", "decode"))] == 3
-    assert journal.scalar("SELECT value FROM meta WHERE key = 'schema'") == "2"
+    assert journal.scalar("SELECT value FROM meta WHERE key = 'schema'") == "3"
+    assert row["sources"] == [] and row["other_sources"] == 0
+    journal.close()
+
+
+def test_exposures_are_pruned_with_their_incident_and_the_log_goes_on(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    log = IncidentsLog(tmp_path / "incidents.jsonl", max_bytes=1 << 20, keep=1)
+    p = Producer(spool)
+    p.append(p.hello(), p.event("a", sources=[{"request_id": "s1", "pages": 2}]))
+    reader.poll()
+    assert journal.scalar("SELECT count(*) FROM exposures") == 1
+    assert log.drain(journal) == 1
+    journal.prune(state, now=time.time() + 10 * 86400, retention=86400, records_retention=86400)
+    assert journal.scalar("SELECT count(*) FROM exposures") == 0
+    assert journal.incidents() == []
+    restarted = IncidentsLog(log.path, max_bytes=1 << 20, keep=1)
+    restarted.recover(journal)  # a daemon that starts now (the mark was 1, the log says 1)
+    p.t0 = time.time()
+    p.append(p.event("b", sources=[{"request_id": "s2", "pages": 1}]))
+    reader.poll()
+    [second] = journal.incidents()
+    assert [s["request_id"] for s in second["sources"]] == ["s2"]
+    # SQLite gave the new incident the pruned one's id: the log's mark must not skip it, in this
+    # daemon or in the next.
+    assert second["id"] == 1
+    assert restarted.drain(journal) == 1
+    assert restarted.drain(journal) == 0
+    assert [json.loads(x)["request_id"] for x in log.path.read_text().splitlines()] == ["a", "b"]
+
+
+def _schema_2_journal(path: Path) -> None:
+    """A journal as kvwatch with schema 2 left it (its DDL, as that release wrote it)."""
+    import sqlite3
+
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema', '2');
+        CREATE TABLE incidents (id INTEGER PRIMARY KEY, ts REAL NOT NULL, node TEXT NOT NULL,
+            role TEXT NOT NULL, engine TEXT NOT NULL, engine_version TEXT NOT NULL,
+            model TEXT NOT NULL, rank INTEGER NOT NULL, producer TEXT NOT NULL,
+            seq INTEGER NOT NULL, request_id TEXT NOT NULL, instance TEXT,
+            detector TEXT NOT NULL, kind TEXT NOT NULL, mode TEXT NOT NULL,
+            action TEXT NOT NULL, pages TEXT NOT NULL, pages_total INTEGER NOT NULL,
+            detail TEXT NOT NULL);
+        CREATE INDEX incidents_ts ON incidents (ts);
+        INSERT INTO incidents VALUES (7, 1.5, 'node-a', 'decode', 'sglang', '1', 'm', 0, 'p', 2,
+            'r', 'r#1', 'canary', 'unwritten_page', 'log', 'logged', '[1,2]', 2, '{}');
+        """
+    )
+    db.commit()
+    db.close()
+
+
+def test_a_schema_2_journal_reads_and_migrates(tmp_path: Path) -> None:
+    path = tmp_path / "v2.db"
+    _schema_2_journal(path)
+    # Read only (kvwatch incidents on a copy from a node not upgraded yet): no sources.
+    readonly = Journal(path, readonly=True)
+    [old] = readonly.incidents()
+    assert old["sources"] == [] and old["other_sources"] == 0 and old["pages"] == [1, 2]
+    readonly.close()
+    journal = Journal(path)
+    assert journal.meta("schema") == "3"
+    assert journal.incidents() == [old]
     journal.close()

@@ -51,7 +51,12 @@ def fixed_state(spool: Path, journal: Journal) -> State:
         decode.hello(),
         decode.gauges(681280, 1048576),
         decode.counters(40, mismatches=2),
-        decode.event("req-7"),
+        decode.event(
+            "req-7",
+            sources=[{"request_id": "req-3", "pages": 4}, {"request_id": "req-4", "pages": 3}],
+            other_sources=2,
+            other_source_pages=5,
+        ),
         decode.event("req-8", detector="checksum", kind="digest"),
     )
     prefill = Producer(spool, "sglang-prefill-r0-101-aaaa0002", role="prefill", t0=FIXED_T0)
@@ -106,7 +111,13 @@ def test_every_known_series_starts_at_zero(journal: Journal) -> None:
     rejected = {s.labels["reason"] for s in families["kvwatch_spool_rejected"].samples}
     assert {"crc", "torn", "owner", "schema", "oversize", "sequence"} <= rejected
     assert families["kvwatch_nvml_up"].samples[0].value == 0
-    for name in ("kvwatch_spool_records", "kvwatch_spool_lost_records", "kvwatch_incidents"):
+    assert len(families["kvwatch_exposed_requests"].samples) == 4  # roles, with other
+    for name in (
+        "kvwatch_spool_records",
+        "kvwatch_spool_lost_records",
+        "kvwatch_incidents",
+        "kvwatch_exposed_requests",
+    ):
         assert all(s.value == 0 for s in families[name].samples)
 
 
@@ -136,6 +147,11 @@ def test_unknown_label_values_become_other_and_models_are_bounded(
 def test_metrics_hold_no_request_ids_or_prompt_text(spool: Path, journal: Journal) -> None:
     text = render(fixed_state(spool, journal))
     assert "req-7" not in text and "req-8" not in text
+    # The exposed sources are counted, never named.
+    assert "req-3" not in text and "req-4" not in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    exposed = {s.labels["role"]: s.value for s in families["kvwatch_exposed_requests"].samples}
+    assert exposed == {"decode": 4.0, "prefill": 0.0, "unified": 0.0, "other": 0.0}
 
 
 def test_every_family_on_metrics_is_in_the_catalogue(spool: Path, journal: Journal) -> None:

@@ -9,6 +9,7 @@ within group_wait + 3 s, and a dead Alertmanager counted as a failed post.
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import threading
@@ -95,6 +96,21 @@ def test_labels_and_annotations_are_the_rules_own_under_promtool(tmp_path: Path)
         series = _series(alert)
         values = {k: v for k, v in series.items() if k not in ("job", "instance", "node")}
         labels = alert_labels(alert, series["node"], values, {})
+        # The alert's context numbers: a counter by the context's labels rising 2 a minute, so
+        # 10 in the window; the daemon computes the same from its samples (growth()).
+        inputs = []
+        context = {}
+        for c in alert.context:
+            own = {k: series[k] for k in ("job", "instance", "node")}
+            own |= {k: labels[k] for k in c.by if k != "node"}
+            inputs.append(
+                {"series": catalogue.exposed(c.counter) + _selector(own), "values": "0+2x20"}
+            )
+            rises = collections.deque(
+                (60.0 * minute, 2.0 * minute) for minute in range(11)
+            )  # to 10m
+            context[c.name] = pager_module.growth(rises, 600.0, c.window_seconds)
+        assert context == {c.name: 10.0 for c in alert.context}
         # 1 per minute: at 10m the 5m window holds 5..10, an increase of exactly 5.
         tests.append(
             {
@@ -103,7 +119,8 @@ def test_labels_and_annotations_are_the_rules_own_under_promtool(tmp_path: Path)
                     {
                         "series": catalogue.exposed(alert.increase.counter) + _selector(series),
                         "values": "0+1x20",
-                    }
+                    },
+                    *inputs,
                 ],
                 "alert_rule_test": [
                     {
@@ -112,7 +129,7 @@ def test_labels_and_annotations_are_the_rules_own_under_promtool(tmp_path: Path)
                         "exp_alerts": [
                             {
                                 "exp_labels": {k: v for k, v in labels.items() if k != "alertname"},
-                                "exp_annotations": alert_annotations(alert, labels, 5.0),
+                                "exp_annotations": alert_annotations(alert, labels, 5.0, context),
                             }
                         ],
                     }
@@ -152,18 +169,38 @@ def test_templates_render_like_prometheus_and_refuse_the_unknown() -> None:
     with pytest.raises(ValueError, match="not supported"):
         render("{{ $value | humanizeDuration }}", labels, 1.0)
     for alert in fast_alerts():  # every fast alert's annotations render
+        context = {c.name: 7.0 for c in alert.context}
         for text in alert.annotations.values():
-            assert "{{" not in render(text, labels, 1.0)
+            assert "{{" not in render(text, labels, 1.0, context)
+    mismatch = next(a for a in fast_alerts() if a.name == "KVIntegrityMismatch")
+    assert "exposed the KV of 7 request(s)" in render(mismatch.description, labels, 1.0, {
+        "exposed_requests": 7.0
+    })  # fmt: skip
+
+
+def test_context_growth_is_the_windows_exact_difference() -> None:
+    samples = collections.deque([(0.0, 5.0), (100.0, 8.0), (400.0, 12.0)])
+    assert pager_module.growth(samples, 420.0, 300.0) == 4.0  # 8 when the window opened
+    young = collections.deque([(0.0, 5.0), (100.0, 8.0)])
+    assert pager_module.growth(young, 200.0, 300.0) == 3.0  # younger: from its first sample
+    assert pager_module.growth(collections.deque([(0.0, 9.0), (10.0, 2.0)]), 20.0, 300.0) == 0.0
+    assert pager_module.growth(collections.deque(), 20.0, 300.0) == 0.0
 
 
 # -- timing, on a clock ---------------------------------------------------------------------------
 
 
 class Counters:
-    """The daemon's mismatch counter as /metrics would serve it, set by the test."""
+    """The daemon's mismatch counter as /metrics would serve it, set by the test as a counters
+    record read from the spool would set it."""
 
     def __init__(self) -> None:
         self.value = 0.0
+        self.state = State()
+
+    def set(self, value: float) -> None:
+        self.value = value
+        self.state.daemon[("spool_records", ())] += 1
 
     def collect(self) -> list[Metric]:
         family = CounterMetricFamily(
@@ -182,7 +219,7 @@ def _pager(counters: Counters, **settings: object) -> Pager:
             **settings,
         }
     )
-    return Pager(config, State(), counters.collect)
+    return Pager(config, counters.state, counters.collect)
 
 
 def test_fire_resend_quiet_resolve_like_prometheus() -> None:
@@ -190,7 +227,7 @@ def test_fire_resend_quiet_resolve_like_prometheus() -> None:
     pager = _pager(counters)
     assert pager.evaluate(1000.0) == []  # the baseline: no increase yet
     assert pager.evaluate(1001.0) == []
-    counters.value = 2
+    counters.set(2)
     [firing] = pager.evaluate(1002.0)
     assert firing["labels"] == {
         "alertname": "KVIntegrityMismatch",
@@ -236,14 +273,14 @@ def test_a_new_rise_while_quiet_fires_again_and_a_reset_counts() -> None:
     counters = Counters()
     pager = _pager(counters)
     pager.evaluate(0.0)
-    counters.value = 1
+    counters.set(1)
     assert len(pager.evaluate(10.0)) == 1
     assert pager.evaluate(300.0) == []  # quiet
-    counters.value = 2
+    counters.set(2)
     [firing] = pager.evaluate(301.0)  # a new rise inside the quiet phase: asserted at once
     assert firing["startsAt"] == pager_module._rfc3339(10.0)  # the same episode
     assert "found 2 KV" in firing["annotations"]["description"]
-    counters.value = 1  # the counter was reset (a producer restarted): 1 new mismatch
+    counters.set(1)  # the counter was reset (a producer restarted): 1 new mismatch
     for tracker in pager.trackers.values():
         tracker.last_sent = 0.0  # make the next resend due
     [resent] = pager.evaluate(303.0)  # 0 -> 1 -> 2 -> 1 is an increase of 3, as in PromQL
@@ -252,18 +289,50 @@ def test_a_new_rise_while_quiet_fires_again_and_a_reset_counts() -> None:
     assert "found 2 KV" in resent["annotations"]["description"]
 
 
+def test_labels_named_like_log_fields_are_posted() -> None:
+    """``event`` or ``level`` are valid label names; the firing log line must not choke on them."""
+    counters = Counters()
+    pager = _pager(counters, alertmanager_labels={"event": "e", "level": "l", "timestamp": "t"})
+    pager.evaluate(0.0)
+    counters.set(1)
+    [firing] = pager.evaluate(1.0)
+    assert firing["labels"]["event"] == "e" and firing["labels"]["level"] == "l"
+
+
 def test_a_daemon_restart_is_no_increase() -> None:
     counters = Counters()
-    counters.value = 5  # the journal already holds 5 mismatches
+    counters.set(5)  # the journal already holds 5 mismatches
     pager = _pager(counters)
     assert pager.evaluate(0.0) == [] and pager.evaluate(1.0) == []
+
+
+def test_without_a_new_record_nothing_is_rendered() -> None:
+    """The alerts' counters move only when the reader applies a record: until one arrives (and
+    while nothing fires) an evaluation does not render the families."""
+    counters = Counters()
+    calls = []
+
+    def source() -> list[Metric]:
+        calls.append(1)
+        return counters.collect()
+
+    pager = Pager(
+        configuration.from_mapping({"alertmanager_urls": ["http://a:1"]}), counters.state, source
+    )
+    pager.evaluate(0.0)
+    pager.evaluate(1.0)
+    assert len(calls) == 1  # the baseline only
+    counters.set(1)
+    assert len(pager.evaluate(2.0)) == 1 and len(calls) == 2
+    pager.evaluate(3.0)
+    assert len(calls) == 3  # firing: every evaluation looks
 
 
 def test_ends_at_covers_four_resends() -> None:
     counters = Counters()
     pager = _pager(counters, alertmanager_resend="30s")
     pager.evaluate(0.0)
-    counters.value = 1
+    counters.set(1)
     [firing] = pager.evaluate(1.0)
     assert firing["endsAt"] == pager_module._rfc3339(1.0 + ENDS_AT_RESENDS * 30)
 
@@ -339,7 +408,7 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
     for server in (live, stalled):
         threading.Thread(target=server.serve_forever, daemon=True).start()
     counters = Counters()
-    state = State()
+    state = counters.state
     config = configuration.from_mapping(
         {
             "node": "n1",
@@ -354,7 +423,7 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
     pager = Pager(config, state, counters.collect)
     pager.start()
     try:
-        counters.value = 1
+        counters.set(1)
         pager.wake()
         deadline = time.monotonic() + 10
         while len(received) < 2 and time.monotonic() < deadline:
@@ -373,7 +442,7 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
         assert received[0][1][0]["labels"]["alertname"] == "KVIntegrityMismatch"
         # The stalled server holds its sender; more batches than the queue holds pile up.
         for i in range(pager_module.QUEUE_BATCHES + 5):
-            counters.value = 2 + i
+            counters.set(2 + i)
             for tracker in pager.trackers.values():
                 tracker.last_sent = 0.0  # due again at once
             batch = pager.evaluate(time.time())
@@ -652,7 +721,7 @@ def test_posts_over_tls_with_basic_auth_to_a_real_alertmanager(tmp_path: Path) -
         counters = Counters()
         good = _pager(counters, **settings, alertmanager_password_file=str(right))
         good.evaluate(0.0)
-        counters.value = 1
+        counters.set(1)
         [alert] = good.evaluate(time.time())
         deadline = time.monotonic() + 30
         while True:  # until Alertmanager answers over TLS
@@ -675,7 +744,7 @@ def test_posts_over_tls_with_basic_auth_to_a_real_alertmanager(tmp_path: Path) -
         assert [a["labels"] for a in held] == [alert["labels"]]
         # Through the sender thread: the refusal is counted, not raised.
         bad.start()
-        counters.value = 2
+        counters.set(2)
         bad.wake()
         _wait(
             "a failed post",

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import sqlite3
 from pathlib import Path
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvspool import MAX_RECORD_BYTES, encode_frame, encode_payload
+from kvwatch.incidents_log import IncidentsLog
 from kvwatch.journal import Journal
 from kvwatch.spool_reader import SpoolReader
 from kvwatch.state import State
@@ -291,6 +293,36 @@ def test_privacy_the_journal_holds_no_prompt_text(
     assert [i["request_id"] for i in journal.incidents()] == ["x"]
     dump = "\n".join(journal.db.iterdump())
     assert "SECRET" not in dump  # only the schema's fields are stored, never extra keys
+
+
+def test_privacy_sources_hold_request_ids_and_counts_only(
+    spool: Path, reader: SpoolReader, journal: Journal, tmp_path: Path
+) -> None:
+    """The exposed sources reach the journal and the incidents log as request ids, instances,
+    page counts and times: a source smuggling content is rejected whole, never stored."""
+    p = Producer(spool)
+    hello = p.hello()
+    smuggled = p.record("event", _event_fields("x"))
+    smuggled["sources"] = [{"request_id": "alice", "pages": 2, "prompt": "SECRET PROMPT"}]
+    honest = p.record("event", _event_fields("y"))
+    honest["sources"] = [{"request_id": "bob", "pages": 3, "instance": "bob#1"}]
+    p.append(hello, *(encode_frame(encode_payload(r)) for r in (smuggled, honest)))
+    reader.poll()
+    assert [i["request_id"] for i in journal.incidents()] == ["y"]
+    assert journal.scalar("SELECT reason FROM rejects") == "malformed"
+    dump = "\n".join(journal.db.iterdump())
+    assert "SECRET" not in dump and "alice" not in dump
+    columns = [r[1] for r in journal.db.execute("PRAGMA table_info(exposures)")]
+    assert columns == [
+        "id", "producer", "seq", "ts", "request_id", "instance", "pages", "written_at",
+    ]  # fmt: skip
+    log = IncidentsLog(tmp_path / "incidents.jsonl", max_bytes=1 << 20, keep=1)
+    log.drain(journal)
+    [line] = [json.loads(x) for x in log.path.read_text().splitlines()]
+    assert line["sources"] == [
+        {"request_id": "bob", "pages": 3, "instance": "bob#1", "written_at": 0.0}
+    ]
+    assert "SECRET" not in log.path.read_text()
 
 
 def _event_fields(request_id: str) -> dict[str, object]:

@@ -16,6 +16,7 @@ import pytest
 from kvwatch.state import Producer, State
 from kvwatch.statuspage import render
 from tests.kvwatch.daemonproc import REPO, DaemonProcess
+from tests.kvwatch.writer import spool_module
 
 ARTIFACTS = REPO / "artifacts"
 CHROMIUM_FLAGS = [
@@ -37,6 +38,7 @@ class Dom(HTMLParser):
         super().__init__()
         self.ids: dict[str, dict[str, str]] = {}
         self.pool_rows: list[dict[str, str]] = []
+        self.sources: list[str] = []
         self.cells: list[str] = []
         self.text: list[str] = []
         self._in_td = False
@@ -45,6 +47,8 @@ class Dom(HTMLParser):
         attributes = {k: v or "" for k, v in attrs}
         if "id" in attributes:
             self.ids[attributes["id"]] = attributes
+        if "data-source" in attributes:
+            self.sources.append(attributes["data-source"])
         if "pool-row" in attributes.get("class", ""):
             self.pool_rows.append(attributes)
         self._in_td = tag == "td"
@@ -74,10 +78,15 @@ def test_render_escapes_and_draws_the_band() -> None:
     incident = {
         "time": time.time(), "node": "n1", "role": "decode", "engine": "sglang",
         "request_id": "<script>alert(1)</script>", "detector": "canary",
-        "kind": "unwritten_page", "pages": [1, 2], "pages_total": 2,
+        "kind": "unwritten_page", "pages": [1, 2], "pages_total": 2, "instance": None,
+        "sources": [
+            {"request_id": "alice", "instance": "alice#2", "pages": 2, "written_at": 0.0},
+            {"request_id": "<b>bob</b>", "instance": None, "pages": 1, "written_at": 0.0},
+        ],
+        "other_sources": 5, "other_source_pages": 9,
     }  # fmt: skip
     page = render(state, [incident])
-    assert "<script>alert" not in page
+    assert "<script>alert" not in page and "<b>bob" not in page
     dom = parse(page)
     # No mismatch, but a 35% unsafe band: the headline must not say OK.
     assert dom.ids["state"]["class"] == "warning"
@@ -85,6 +94,12 @@ def test_render_escapes_and_draws_the_band() -> None:
     assert dom.pool_rows[0]["data-band"] == "367296"
     assert "35% of the window" in "".join(dom.text)
     assert "<script>alert(1)</script>" in dom.cells
+    # The latest incident's sources, named, and the count of the unnamed rest.
+    assert dom.sources == ["alice", "<b>bob</b>"]
+    text = " ".join(dom.text)
+    assert "received the KV of 7 other request(s)" in text
+    assert "and 5 more request(s): 9 page(s)" in text
+    assert "7" in dom.cells  # the table's sources column
 
 
 def chromium() -> str:
@@ -121,11 +136,27 @@ def test_status_page_in_chromium(tmp_path: Path) -> None:
         while "rejected-1" not in urllib.request.urlopen(url, timeout=10).read().decode():
             assert time.monotonic() < deadline, "the walkthrough's incidents never reached /"
             time.sleep(0.2)
+        # A leak whose reader names its sources, from a real SpoolWriter: the newest incident.
+        writer = spool_module().SpoolWriter(daemon.spool, engine="sglang", role="decode")
+        writer.write(
+            "event",
+            {
+                "detector": "page_tag", "kind": "stale_tag", "mode": "log", "action": "logged",
+                "request_id": "reader-9", "pages": [4, 5], "pages_total": 2,
+                "sources": [{"request_id": "user-a", "pages": 2}], "other_sources": 1,
+                "other_source_pages": 1,
+            },
+        )  # fmt: skip
+        writer.close()
+        while "reader-9" not in urllib.request.urlopen(url, timeout=10).read().decode():
+            assert time.monotonic() < deadline, "the leak never reached /"
+            time.sleep(0.2)
         dom = parse(browser("--dump-dom", url).stdout)
+        assert dom.sources == ["user-a"]
         assert dom.ids["state"]["class"] == "alarm"
         assert "INTEGRITY ALERT" in "".join(dom.text)
         assert [row["data-band"] for row in dom.pool_rows] == ["367296"]
-        assert {"rejected-1", "flip-3", "running-4"} <= set(dom.cells)
+        assert {"rejected-1", "flip-3", "running-4", "reader-9"} <= set(dom.cells)
         assert {"unwritten_page", "digest", "stale_tag"} <= set(dom.cells)
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "statuspage.png"

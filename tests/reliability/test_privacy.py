@@ -1,7 +1,7 @@
 """Case 7: privacy. minipd serves prompts that all carry a sentinel word, with the hooks in log
 mode and a prompt in the unsafe band (so detection events are written too); the sentinel, its
-token id and its token bytes never appear in the spool, the journal, the daemon's log,
-/metrics or the status page."""
+token id and its token bytes never appear in the spool, the journal, the incidents log, the
+daemon's log, /metrics or the status page."""
 
 from __future__ import annotations
 
@@ -86,8 +86,9 @@ def test_prompt_sentinel_never_leaves_the_engine(tmp_path: Path) -> None:
     finally:
         stop(proc)
         daemon.stop()
-    for path in tmp_path.glob("journal.db*"):
+    for path in [*tmp_path.glob("journal.db*"), *tmp_path.glob("incidents.jsonl*")]:
         scan(path.name, path.read_bytes(), found)
+    assert (tmp_path / "incidents.jsonl").stat().st_size > 0  # the daemon's incidents log
     scan("daemon log", daemon.log_path.read_bytes(), found)
     assert found == []
     # The scan itself works: it finds the token in a token stream that carries it.

@@ -1,0 +1,94 @@
+"""What the incidents log costs the daemon: catch-up CPU with the log on against the log off.
+
+The backlog is bench/daemon.py's (8 producers, 80% detection events: a leak storm, where the log
+writes a line for most records). Rounds alternate off and on over hard-linked copies of one
+backlog, in one process; "on" runs until the log holds every incident, so the figure is the
+whole cost of writing it. Prints the best CPU seconds of each and their ratio.
+
+    .venv/bin/python bench/incidents_log.py --records 300000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import structlog
+
+from bench.daemon import link_copy, write_backlog
+from kvwatch.config import Config
+from kvwatch.daemon import Daemon
+
+
+def catch_up(spool: Path, journal: Path, log: str) -> float:
+    """CPU seconds to commit ``spool`` (and write its incidents, unless ``log`` is "off")."""
+    config = Config(
+        spool_dir=str(spool), journal=str(journal), nvml=False, idle_grace=0.0,
+        listen="127.0.0.1:0", incidents_log=log,
+    )  # fmt: skip
+    daemon = Daemon(config)
+    try:
+        gc.collect()
+        started = time.process_time()
+        while daemon.run_once():
+            pass
+        daemon.run_once()
+        if daemon.incidents_log:
+            while daemon.incidents_log.drain(daemon.journal):
+                pass
+        cpu = time.process_time() - started
+        if daemon.incidents_log:
+            lines = sum(len(p.read_bytes().splitlines()) for p in Path(log).parent.iterdir())
+            incidents = daemon.journal.scalar("SELECT count(*) FROM incidents")
+            assert lines == incidents, (lines, incidents)
+        return cpu
+    finally:
+        daemon.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=300_000)
+    parser.add_argument("--producers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    work = Path(tempfile.mkdtemp(prefix="kvwatch-bench-", dir=shm))
+    disk = Path(tempfile.mkdtemp(prefix="kvwatch-bench-journal-"))
+    try:
+        source = work / "backlog"
+        source.mkdir()
+        total = write_backlog(source, args.records, args.producers)
+        cpu: dict[str, list[float]] = {"off": [], "on": []}
+        run = 0
+        for _ in range(args.rounds):
+            for mode in ("off", "on"):
+                run += 1
+                spool = work / f"spool-{run}"
+                link_copy(source, spool)
+                (disk / f"log-{run}").mkdir()
+                log = "off" if mode == "off" else str(disk / f"log-{run}" / "incidents.jsonl")
+                cpu[mode].append(catch_up(spool, disk / f"journal-{run}.db", log))
+                shutil.rmtree(disk / f"log-{run}")
+        off, on = min(cpu["off"]), min(cpu["on"])
+        print(
+            f"{total:,} records (80% events), best of {args.rounds}: log off {off:.2f} CPU s"
+            f" ({total / off:,.0f} records/s), log on {on:.2f} CPU s ({total / on:,.0f}"
+            f" records/s, every incident written); on/off = {on / off:.2f}"
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""``kvwatch incidents``: the fleet-wide list and the disclosure view (``--exposed``), from real
+journals and incidents logs, through the real command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvwatch import incidents
+from kvwatch.incidents_log import IncidentsLog
+from kvwatch.journal import Journal
+from kvwatch.spool_reader import SpoolReader
+from tests.kvwatch.daemonproc import run_cli
+from tests.kvwatch.spoolgen import T0, Producer
+
+
+def _node(tmp_path: Path, node: str, frames: list[tuple[str, dict[str, Any]]]) -> Path:
+    """A node's journal holding ``frames`` (request id, event options) from a decode engine."""
+    spool = tmp_path / f"spool-{node}"
+    spool.mkdir()
+    path = tmp_path / f"{node}.db"
+    journal = Journal(path)
+    p = Producer(spool, f"sglang-decode-r0-1-{node}", node=node)
+    p.append(p.hello(), *(p.event(request, **options) for request, options in frames))
+    SpoolReader(spool, journal, journal.load(), idle_grace=3600.0).poll()
+    journal.close()
+    return path
+
+
+def _src(request: str, pages: int, instance: str | None = None) -> dict[str, Any]:
+    return {"request_id": request, "pages": pages, "instance": instance}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> tuple[Path, Path]:
+    a = _node(
+        tmp_path,
+        "node-a",
+        [
+            ("req-17", {"sources": [_src("alice", 5, "alice#1"), _src("bob", 2)]}),
+            # A second detector on the same pages: the pair's pages count once.
+            (
+                "req-17",
+                {
+                    "detector": "checksum",
+                    "kind": "digest",
+                    "sources": [_src("alice", 4, "alice#1")],
+                    "other_sources": 3,
+                    "other_source_pages": 6,
+                },
+            ),
+            ("clean-finding", {"detector": "admission", "kind": "other"}),
+        ],
+    )
+    b = _node(tmp_path, "node-b", [("req-99", {"sources": [_src("bob", 1)]})])
+    return a, b
+
+
+def test_the_disclosure_view_names_readers_sources_and_pages(fleet: tuple[Path, Path]) -> None:
+    rows = incidents.merge(Journal(p, readonly=True).incidents() for p in fleet)
+    view = incidents.exposure(rows, since=None, until=None)
+    assert view["v"] == incidents.EXPOSED_VERSION
+    readers = {(r["node"], r["request_id"]): r for r in view["readers"]}
+    assert set(readers) == {("node-a", "req-17"), ("node-b", "req-99")}  # not the clean one
+    req17 = readers[("node-a", "req-17")]
+    assert req17["role"] == "decode" and req17["engine"] == "sglang"
+    assert req17["incidents"] == 2 and req17["detectors"] == ["canary", "checksum"]
+    assert req17["sources"] == [
+        {"request_id": "alice", "instance": "alice#1", "pages": 5},
+        {"request_id": "bob", "instance": None, "pages": 2},
+    ]
+    assert req17["other_sources"] == 3
+    # bob on node-a and bob on node-b are two requests: a KV pool is one node's.
+    sources = {(s["node"], s["request_id"]): s for s in view["sources"]}
+    assert sources[("node-a", "alice")]["readers"] == [
+        {"request_id": "req-17", "instance": None, "pages": 5}
+    ]
+    assert sources[("node-b", "bob")]["pages"] == 1
+    assert view["counts"] == {
+        "incidents": 3,
+        "readers": 2,
+        "sources": 3,
+        "unnamed_sources": 3,
+        "unnamed_source_pages": 6,
+        "pages": 5 + 2 + 1 + 6,
+    }
+
+
+def test_cli_merges_journals_and_logs_once_and_filters_by_time(
+    fleet: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, b = fleet
+    # node-b's incidents also shipped as a log: listed once.
+    log = tmp_path / "node-b.jsonl"
+    journal = Journal(b)
+    IncidentsLog(log, max_bytes=1 << 20, keep=3).drain(journal)
+    journal.close()
+    merged = run_cli("incidents", "--journal", str(a), "--incidents-log", str(log), "--json")
+    both = run_cli(
+        "incidents", "--journal", str(a), "--journal", str(b), "--incidents-log", str(log)
+    )
+    assert merged.returncode == both.returncode == 0, merged.stderr + both.stderr
+    rows = json.loads(merged.stdout)
+    assert [(r["node"], r["request_id"]) for r in rows] == [  # by time, then node
+        ("node-a", "req-17"),
+        ("node-b", "req-99"),
+        ("node-a", "req-17"),
+        ("node-a", "clean-finding"),
+    ]
+    assert "4 incident(s)" in both.stdout and "node-b" in both.stdout
+    header = both.stdout.splitlines()[0].split()
+    assert "SOURCES" in header
+    # --since/--until: record i of each node has ts T0 + i.
+    window = run_cli(
+        "incidents", "--journal", str(a), "--journal", str(b), "--json",
+        "--since", _iso(T0 + 2), "--until", _iso(T0 + 3.5),
+    )  # fmt: skip
+    assert [(r["node"], r["seq"]) for r in json.loads(window.stdout)] == [
+        ("node-a", 2),
+        ("node-b", 2),
+        ("node-a", 3),
+    ]
+
+
+def test_cli_exposed_view_text_and_json(fleet: tuple[Path, Path]) -> None:
+    a, b = fleet
+    text = run_cli("incidents", "--exposed", "--journal", str(a), "--journal", str(b))
+    assert text.returncode == 0, text.stderr
+    out = text.stdout
+    assert "READERS" in out and "SOURCES" in out
+    assert "alice (5), bob (2), +3 more" in out
+    assert "req-17 (5)" in out  # alice's reader
+    assert "2 reader(s), 3 named source(s) and 3 unnamed, 14 page(s), from 3 incident(s)" in out
+    data = run_cli("incidents", "--exposed", "--json", "--journal", str(a), "--since", "3650d")
+    view = json.loads(data.stdout)
+    assert view["v"] == 1 and view["counts"]["readers"] == 1 and view["since"] is not None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--until", "30"), "--until '30': expected a duration (1h, 7d) or a UTC time"),
+        (("--since", "5"), "--since '5': expected a duration"),
+        (("--incidents-log", "{t}/none.jsonl"), "no incidents log at {t}/none.jsonl"),
+        (("--incidents-log", "{t}"), "is a directory"),
+        (("--incidents-log", "/dev/zero"), "/dev/zero is not a regular file"),
+    ],
+)
+def test_cli_mistakes_are_one_line(
+    fleet: tuple[Path, Path], tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
+    result = run_cli("incidents", *(a.format(t=tmp_path) for a in args))
+    assert result.returncode in (1, 2)
+    assert message.format(t=tmp_path) in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def _iso(ts: float) -> str:
+    from kvwatch.incidents_log import iso
+
+    return iso(ts)

@@ -1,0 +1,245 @@
+"""The incidents log: one JSON line per incident, exactly once, rotated, read back whole."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvwatch import incidents_log
+from kvwatch.incidents_log import HIGH_WATER_KEY, IncidentsLog
+from kvwatch.journal import Journal
+from kvwatch.spool_reader import SpoolReader
+from tests.kvwatch.daemonproc import DaemonProcess, run_cli
+from tests.kvwatch.spoolgen import Producer
+from tests.kvwatch.writer import spool_module
+
+
+def _events(spool: Path, journal: Journal, count: int, *, node: str = "node-a") -> None:
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    p = Producer(spool, f"sglang-decode-r0-1-{node}", node=node)
+    frames = [p.hello()]
+    for i in range(count):
+        frames.append(
+            p.event(
+                f"req-{i}",
+                sources=[{"request_id": f"src-{i}", "pages": 3, "instance": f"src-{i}#1"}],
+                other_sources=i % 2,
+                other_source_pages=i % 2,
+            )
+        )
+    p.append(*frames)
+    reader.poll()
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for file in incidents_log.rotated(path):
+        out += [json.loads(line) for line in file.read_text().splitlines()]
+    return out
+
+
+def test_every_incident_once_with_its_sources_and_the_same_rows_as_the_journal(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    _events(spool, journal, 3)
+    log = IncidentsLog(tmp_path / "incidents.jsonl", max_bytes=1 << 20, keep=3)
+    assert log.drain(journal) == 3
+    assert log.drain(journal) == 0
+    lines = _lines(log.path)
+    assert [line["request_id"] for line in lines] == ["req-0", "req-1", "req-2"]
+    first = lines[0]
+    assert first["v"] == 1 and first["journal"] == journal.meta("journal_id")
+    assert first["node"] == "node-a" and first["role"] == "decode" and first["seq"] == 2
+    assert first["sources"] == [
+        {"request_id": "src-0", "pages": 3, "instance": "src-0#1", "written_at": 0.0}
+    ]
+    assert lines[1]["other_sources"] == 1
+    assert first["time"] == incidents_log.iso(first["ts"])[:23] + "Z"  # to the millisecond
+    assert incidents_log.read(log.path).rows == journal.incidents()
+    assert journal.meta(HIGH_WATER_KEY) == str(lines[-1]["id"])
+
+
+def test_rotation_keeps_n_files_and_reads_back_in_order(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    _events(spool, journal, 40)
+    path = tmp_path / "incidents.jsonl"
+    log = IncidentsLog(path, max_bytes=4096, keep=2)
+    log.drain(journal)
+    files = incidents_log.rotated(path)
+    assert [f.name for f in files] == ["incidents.jsonl.2", "incidents.jsonl.1", "incidents.jsonl"]
+    assert all(f.stat().st_size <= 4096 for f in files)
+    assert not (tmp_path / "incidents.jsonl.3").exists()
+    rows = incidents_log.read(path).rows
+    ids = [r["id"] for r in rows]
+    assert ids == sorted(ids) and ids[-1] == 40 and len(ids) < 40  # the oldest rotated away
+    assert rows == journal.incidents()[-len(rows) :]
+
+
+def test_a_crash_before_the_mark_is_stored_does_not_repeat_lines(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    _events(spool, journal, 5)
+    path = tmp_path / "incidents.jsonl"
+    IncidentsLog(path, max_bytes=1 << 20, keep=3).drain(journal)
+    # As if the daemon died after writing the lines, before the journal took the mark, and
+    # in the middle of writing one more line.
+    journal.set_meta(HIGH_WATER_KEY, "2")
+    with path.open("ab") as handle:
+        handle.write(b'{"v": 1, "journal": "')
+    restarted = IncidentsLog(path, max_bytes=1 << 20, keep=3)
+    assert restarted.drain(journal) == 0
+    assert [line["id"] for line in _lines(path)] == [1, 2, 3, 4, 5]  # torn tail cut off
+    _events(spool, journal, 0)
+    state = journal.load()
+    p = Producer(spool, "sglang-decode-r0-1-node-a", node="node-a")
+    p.seq = 6
+    p.append(p.event("late"))
+    SpoolReader(spool, journal, state, idle_grace=3600.0).poll()
+    assert restarted.drain(journal) == 1
+    assert [line["request_id"] for line in _lines(path)][-1] == "late"
+
+
+def test_a_log_from_another_journal_does_not_move_the_mark(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    """A journal deleted and started afresh under the same log: its ids start again at 1."""
+    path = tmp_path / "incidents.jsonl"
+    other = Journal(tmp_path / "other.db")
+    (tmp_path / "other-spool").mkdir()
+    _events(tmp_path / "other-spool", other, 4, node="node-z")
+    IncidentsLog(path, max_bytes=1 << 20, keep=3).drain(other)
+    other.close()
+    _events(spool, journal, 2)
+    assert IncidentsLog(path, max_bytes=1 << 20, keep=3).drain(journal) == 2
+
+
+def test_hostile_lines_are_named_counted_and_skipped(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    _events(spool, journal, 2)
+    path = tmp_path / "incidents.jsonl"
+    IncidentsLog(path, max_bytes=1 << 20, keep=3).drain(journal)
+    good = path.read_bytes().splitlines()
+    hostile = [
+        good[0],
+        b"not json at all",
+        b'{"v": 2, "id": 1}',
+        good[0].replace(b'"pages_total":7', b'"pages_total":-1'),
+        b'{"v": 1' + b" " * (2 << 20) + b"}",
+        b"\xff\xfe\x00garbage",
+        b"[1, 2, 3]",
+        good[1],
+    ]
+    path.write_bytes(b"\n".join(hostile) + b"\n")
+    result = incidents_log.read(path)
+    assert [r["request_id"] for r in result.rows] == ["req-0", "req-1"]
+    assert result.skipped == 6
+    assert all(e.startswith(f"{path}:") and "\n" not in e for e in result.errors)
+    assert "pages_total" in result.errors[2]
+    cli = run_cli("incidents", "--incidents-log", str(path), "--json")
+    assert cli.returncode == 1
+    assert [r["request_id"] for r in json.loads(cli.stdout)] == ["req-0", "req-1"]
+    assert "Traceback" not in cli.stderr
+    assert "6 line(s) skipped" in cli.stderr and len(cli.stderr.splitlines()) == 7
+
+
+def test_the_daemon_writes_each_incident_once_across_kill9(tmp_path: Path) -> None:
+    """The real daemon, a real SpoolWriter: lines appear after the commit; a kill -9 and a
+    restart neither lose nor repeat one; the log lists what the journal lists."""
+    (tmp_path / "spool").mkdir()
+    log = tmp_path / "var" / "incidents.jsonl"
+    daemon = DaemonProcess(tmp_path, "--incidents-log", str(log))
+    daemon.wait_started()
+    writer = spool_module().SpoolWriter(daemon.spool, engine="sglang", role="decode", model="m")
+
+    def leak(request: str, sources: list[str]) -> None:
+        writer.write(
+            "event",
+            {
+                "detector": "canary",
+                "kind": "unwritten_page",
+                "mode": "log",
+                "action": "logged",
+                "request_id": request,
+                "pages": [1, 2, 3],
+                "pages_total": 3,
+                "sources": [{"request_id": s, "pages": 1} for s in sources],
+            },
+        )
+
+    def wait_lines(count: int) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if log.exists() and len(lines := _lines(log)) >= count:
+                return lines
+            time.sleep(0.05)
+        raise AssertionError(f"{count} lines expected: {daemon.output()}")
+
+    try:
+        leak("reader-1", ["user-a", "user-b"])
+        leak("reader-2", ["user-c"])
+        wait_lines(2)
+        daemon.kill9()
+        leak("reader-3", ["user-a"])
+        daemon = DaemonProcess(tmp_path, "--incidents-log", str(log))
+        daemon.wait_started()
+        lines = wait_lines(3)
+        time.sleep(0.5)  # a few more polls: nothing more may come
+        lines = _lines(log)
+    finally:
+        daemon.stop()
+        writer.close()
+    assert [line["request_id"] for line in lines] == ["reader-1", "reader-2", "reader-3"]
+    assert [s["request_id"] for s in lines[0]["sources"]] == ["user-a", "user-b"]
+    from_journal = run_cli("incidents", "--journal", str(daemon.journal), "--json")
+    from_log = run_cli("incidents", "--incidents-log", str(log), "--json")
+    assert from_journal.returncode == from_log.returncode == 0, from_log.stderr
+    assert json.loads(from_journal.stdout) == json.loads(from_log.stdout)
+    view = ["--exposed", "--json"]
+    assert json.loads(
+        run_cli("incidents", "--journal", str(daemon.journal), *view).stdout
+    ) == json.loads(run_cli("incidents", "--incidents-log", str(log), *view).stdout)
+
+
+def test_the_promtail_example_tails_the_default_log_and_labels_bounded_fields() -> None:
+    """deploy/promtail-incidents.yml (Promtail is not in Debian: checked here as text): it tails
+    the daemon's default path, not the rotated copies, extracts fields the line has, and makes
+    labels only of bounded ones."""
+    import re
+
+    from kvwatch.config import Config
+    from tests.kvwatch.daemonproc import REPO
+
+    text = (REPO / "deploy" / "promtail-incidents.yml").read_text()
+    [path] = re.findall(r"__path__: (\S+)", text)
+    assert path == Config().incidents_log_path
+    expressions = dict(re.findall(r"^ {12}(\w+): (\w+)$", text, flags=re.M))
+    assert expressions and set(expressions.values()) <= set(
+        incidents_log.IncidentLine.__struct_fields__
+    )
+    labels = re.search(r"- labels:\n((?: {10}\w+:\n)+)", text)
+    assert labels is not None
+    assert set(re.findall(r"(\w+):", labels.group(1))) <= {"node", "role", "detector", "kind"}
+    assert "source: ts" in text and "format: Unix" in text
+
+
+def test_a_full_disk_loses_no_line(spool: Path, journal: Journal, tmp_path: Path) -> None:
+    """A write that fails (ENOSPC, from /dev/full) moves no mark: once the disk has room, every
+    line is written, once."""
+    import errno
+
+    import pytest
+
+    _events(spool, journal, 3)
+    log = IncidentsLog("/dev/full", max_bytes=1 << 20, keep=3)
+    with pytest.raises(OSError) as failed:
+        log.drain(journal)
+    assert failed.value.errno == errno.ENOSPC
+    assert journal.meta(HIGH_WATER_KEY) == "0"  # where recovery found the log: nothing yet
+    log.path = tmp_path / "incidents.jsonl"  # room again
+    assert log.drain(journal) == 3
+    assert [line["request_id"] for line in _lines(log.path)] == ["req-0", "req-1", "req-2"]
