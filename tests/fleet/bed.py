@@ -225,11 +225,14 @@ def alertmanager_config(intervals: Intervals, webhook_url: str) -> str:
 class Producer:
     """One engine process's spool writer, reporting cumulative counters like the hooks do."""
 
-    def __init__(self, spool: Path, role: str) -> None:
+    def __init__(self, spool: Path, node: str, role: str) -> None:
         self.role = role
         self.writer = SpoolWriter(
             spool, engine=ENGINE, role=role, model=MODEL, engine_version=VERSION
         )
+        # Each simulated node is a host of its own: the hello record names it (as the host name
+        # does on a real node), and the journals and incidents logs carry it.
+        self.writer.identity["node"] = node
         self.verifications = 0
         self.mismatches = 0
         self.lock = threading.Lock()
@@ -465,7 +468,7 @@ class Fleet:
     def _start_producers(self) -> None:
         for node in self.nodes:
             for role in ("prefill", "decode"):
-                node.producers[role] = Producer(node.daemon.spool, role)
+                node.producers[role] = Producer(node.daemon.spool, node.name, role)
         self._ticker = threading.Thread(target=self._tick, daemon=True)
         self._ticker.start()
 

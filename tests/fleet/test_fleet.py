@@ -5,7 +5,8 @@ exactly one firing notification for the alert group (alertname, node), holding o
 labels carry no ``replica``, and later exactly one resolution. With the peer that sent that
 page killed (kill -9) before the next leak, the page still arrives, once. With one replica
 killed as well, the next one arrives, once. Then every dashboard query returns the same series
-from VictoriaMetrics (the replicas' remote_write target) as from Prometheus.
+from VictoriaMetrics (the replicas' remote_write target) as from Prometheus, and ``kvwatch
+incidents`` over the 8 journals, or the 8 incidents logs, lists every leak with its node.
 
 The cases run in this order on one bed (the faults accumulate), with the short intervals of
 :data:`tests.fleet.bed.SHORT`; tests/fleet/test_fast_path.py runs production intervals.
@@ -31,6 +32,7 @@ from tests.fleet.pages import (
     sent_to,
     wait_group,
 )
+from tests.kvwatch.daemonproc import run_cli
 
 DASHBOARDS = ("kvwatch-overview", "kvwatch-node")
 pytestmark = pytest.mark.slow  # real processes: about a minute each, still in make test
@@ -219,3 +221,34 @@ def test_victoria_metrics_holds_the_alerts_history_without_replica_labels(fleet:
     nodes = [s["metric"]["node"] for s in history]
     assert sorted(nodes) == ["node-0", "node-2", "node-5", "node-7"], history  # node-0: the bench
     assert all("replica" not in s["metric"] for s in history), history
+
+
+# -- incidents across the fleet -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["--journal", "--incidents-log"])
+def test_kvwatch_incidents_lists_every_leak_of_the_fleet_with_its_node(
+    fleet: Fleet, source: str
+) -> None:
+    want = {("node-0", "fleet-bench-1"), ("node-2", "fleet-leak-1"),
+            ("node-5", "fleet-leak-2"), ("node-7", "fleet-leak-3")}  # fmt: skip
+    listed: set[tuple[str, str]] = set()
+
+    def complete() -> bool:
+        nonlocal listed
+        if source == "--journal":
+            files = [node.daemon.journal for node in fleet.nodes]
+        else:  # as `node-*/incidents.jsonl` expands: a node with no incident has no log
+            files = sorted(fleet.workdir.glob("node-*/incidents.jsonl"))
+            # The daemons append to their logs after their journals commit: a moment.
+            if [f.parent.name for f in files] != sorted({node for node, _ in want}):
+                return False
+        out = run_cli("incidents", *[a for f in files for a in (source, str(f))], "--json")
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        listed = {(row["node"], row["request_id"]) for row in rows}
+        assert all(row["role"] == "decode" and row["detector"] == "canary" for row in rows)
+        return listed == want
+
+    fleet.until(f"kvwatch incidents {source} x 8 lists the 4 leaks", complete, 15)
+    assert listed == want
