@@ -23,19 +23,21 @@ demo: $(STAMP)
 walkthrough: $(STAMP)
 	$(PY) -m engine_hooks.walkthrough
 
-# Prometheus, Alertmanager (promtool, amtool), Chromium (the status page test) and systemd
-# (systemd-analyze verify, the README's unit) from Debian's packages: installed when missing and
-# running as root; otherwise a loud failure, never a skip.
-DEBIAN_TOOLS := prometheus prometheus-alertmanager chromium systemd
+# Prometheus, Alertmanager (promtool, amtool), VictoriaMetrics (the fleet bed's long-term
+# store), Chromium (the status page test) and systemd (systemd-analyze verify, the README's unit)
+# from Debian's packages: installed when missing and running as root; otherwise a loud failure,
+# never a skip.
+DEBIAN_TOOLS := prometheus prometheus-alertmanager victoria-metrics chromium systemd
 tools:
 	@if command -v promtool >/dev/null && command -v amtool >/dev/null \
-	    && command -v prometheus-alertmanager >/dev/null && command -v chromium >/dev/null \
-	    && command -v systemd-analyze >/dev/null; then :; \
+	    && command -v prometheus-alertmanager >/dev/null && command -v victoria-metrics >/dev/null \
+	    && command -v chromium >/dev/null && command -v systemd-analyze >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 	        --no-install-recommends $(DEBIAN_TOOLS); \
 	else \
-	    echo "make test needs promtool, amtool, prometheus-alertmanager, chromium, systemd-analyze:" >&2; \
+	    echo "make test needs promtool, amtool, prometheus-alertmanager, victoria-metrics," \
+	        "chromium, systemd-analyze:" >&2; \
 	    echo "  sudo apt-get install -y --no-install-recommends $(DEBIAN_TOOLS)" >&2; \
 	    exit 1; \
 	fi
