@@ -222,7 +222,9 @@ class Daemon:
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._signals.append(signal.Signals(signum).name)
-        self.stop.set()
+        # Not ``self.stop.set()`` here: the handler runs in the main thread, which may hold the
+        # Event's lock (inside ``stop.wait``), and setting it would wait on that lock forever.
+        threading.Thread(target=self.stop.set, name="kvwatch-stop", daemon=True).start()
 
     def _on_sighup(self, _signum: int, _frame: FrameType | None) -> None:
         self._signals.append("SIGHUP")

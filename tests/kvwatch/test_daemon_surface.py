@@ -297,3 +297,29 @@ def test_sigterm_stops_a_daemon_whose_log_reader_stalled(tmp_path: Path) -> None
             proc.wait()
     assert output.count(b"spool.segment_ignored") == 3000
     assert b'"daemon.stopping"' in output and b'"daemon.stopped"' in output
+
+
+def test_sigterm_while_the_main_thread_holds_the_stop_events_lock(tmp_path: Path) -> None:
+    """The signal handler runs in the main thread, which may be inside ``stop.wait()`` holding
+    the Event's lock: setting the Event right there waited on that lock forever (a daemon that
+    never stopped on SIGTERM). The handler must return, and the stop arrive, while it is held."""
+    script = f"""
+import signal, sys
+from kvwatch.config import Config
+from kvwatch.daemon import Daemon
+config = Config(spool_dir={str(tmp_path / "spool")!r}, journal={str(tmp_path / "j.db")!r})
+daemon = Daemon(config)
+with daemon.stop._cond:  # as inside Event.wait
+    daemon._on_signal(signal.SIGTERM, None)
+sys.exit(0 if daemon.stop.wait(10) else 3)
+"""
+    (tmp_path / "spool").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        cwd=REPO,
+        timeout=30,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
