@@ -41,7 +41,7 @@ from kvspool.records import (
     Text,
     Timestamp,
 )
-from kvwatch.journal import Journal
+from kvwatch.journal import Committed, Journal
 
 #: The line format's version (``v``).
 LOG_VERSION: Final = 1
@@ -128,9 +128,67 @@ _SELECT_LINES: Final = (
     + ", ".join(
         f"'{name}', {_LINE_SQL.get(name, 'i.' + name)}" for name in IncidentLine.__struct_fields__
     )
-    + ") FROM incidents AS i WHERE i.id > ? ORDER BY i.id LIMIT ?"
+    + ") FROM incidents AS i WHERE i.id > ? AND i.id < ? ORDER BY i.id LIMIT ?"
 )
 assert set(_SOURCE_SQL) == set(Source.__struct_fields__)
+
+
+class _Line(Struct, gc=False):
+    """IncidentLine as written from the rows a commit just stored (positional: cheaper to
+    build): pages and detail are the JSON the rows already hold."""
+
+    v: int
+    journal: str
+    id: int
+    ts: float
+    time: str
+    node: str
+    producer: str
+    seq: int
+    role: str
+    engine: str
+    engine_version: str
+    model: str
+    rank: int
+    request_id: str
+    instance: str | None
+    detector: str
+    kind: str
+    mode: str
+    action: str
+    pages: msgspec.Raw
+    pages_total: int
+    sources: list[dict[str, Any]]
+    other_sources: int
+    other_source_pages: int
+    detail: msgspec.Raw
+
+
+assert _Line.__struct_fields__ == IncidentLine.__struct_fields__
+_encode_lines: Final = msgspec.json.Encoder().encode_lines
+#: SQLite's Julian day number of the Unix epoch, in seconds (its date.c counts from there).
+_EPOCH_JD: Final = 210866760000
+#: "SSS" + "Z": the milliseconds of ``time``, formatted once.
+_MILLIS: Final = tuple(f"{m:03d}Z" for m in range(1000))
+
+
+def _sources(committed: Committed) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Each reader's sources, most pages first, then in stored (id) order, as _SELECT_LINES."""
+    edges: dict[tuple[str, int], list[Any]] = {}
+    for edge in committed.exposures:
+        edges.setdefault((edge.producer, edge.seq), []).append(edge)
+    return {
+        key: [
+            {
+                "request_id": e.request_id,
+                "pages": e.pages,
+                "instance": e.instance,
+                "written_at": e.written_at,
+            }
+            for e in sorted(found, key=lambda e: -e.pages)
+        ]
+        for key, found in edges.items()
+    }
 
 
 def to_row(line: IncidentLine) -> dict[str, Any]:
@@ -166,13 +224,19 @@ class IncidentsLog:
         self.max_bytes = max_bytes
         self.keep = keep
         self.written = -1  # unknown until recover() reads the journal and the log
+        self._second, self._prefix = -1, ""  # the last second written into a line's time
 
     def drain(self, journal: Journal) -> int:
-        """Write the incidents committed since the last call (at most ``DRAIN_ROUNDS`` batches:
-        a backlog never holds up the spool for long); returns how many."""
+        """Write the incidents committed since the last call; returns how many.
+
+        The journal's commits hand over what they stored (``Journal.committed``): those lines
+        are built from the rows in memory. What they do not cover (a backlog from before a
+        restart, a prune, a failed write) is read back from the journal, at most
+        ``DRAIN_ROUNDS`` batches a call: a backlog never holds up the spool for long."""
         journal_id = journal.meta("journal_id") or ""
         if self.written < 0:
             self.recover(journal)
+        pending = journal.take_committed()
         # Pruning every incident lets SQLite hand out ids from 1 again: whatever is left was
         # written, so the mark comes down to the newest id there is (the daemon drains right
         # after pruning, before it stores new incidents).
@@ -180,10 +244,26 @@ class IncidentsLog:
         if newest < self.written:
             self.written = newest
             journal.set_meta(HIGH_WATER_KEY, str(newest))
+        # The table up to the first incident handed over; then those, if the table reached it.
+        below = pending[0].first if pending else newest + 1
+        total = self._drain_table(journal, journal_id, below)
+        if pending and self.written == below - 1:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for committed in pending:
+                count = len(committed.incidents)
+                if committed.first != self.written + 1 or self.written + count > newest:
+                    break  # not what the table holds next (never seen): the table has the rest
+                self._append(committed.first, self._lines(journal_id, committed))
+                total += count
+            journal.set_meta(HIGH_WATER_KEY, str(self.written))
+        return total
+
+    def _drain_table(self, journal: Journal, journal_id: str, below: int) -> int:
+        """Write incidents with ids under ``below`` from the journal's table."""
         total = 0
         for _ in range(DRAIN_ROUNDS):
             rows = journal.db.execute(
-                _SELECT_LINES, (journal_id, self.written, DRAIN_BATCH)
+                _SELECT_LINES, (journal_id, self.written, below, DRAIN_BATCH)
             ).fetchall()
             if not rows:
                 break
@@ -194,6 +274,70 @@ class IncidentsLog:
             if len(rows) < DRAIN_BATCH:
                 break
         return total
+
+    def _lines(self, journal_id: str, committed: Committed) -> bytes:
+        """The lines of the incidents one commit stored, with the values _SELECT_LINES gives."""
+        sources = _sources(committed) if committed.exposures else {}
+        raw, line, millis = msgspec.Raw, _Line, _MILLIS
+        second, prefix = self._second, self._prefix
+        out = []
+        incident = committed.first
+        for row in committed.incidents:
+            (
+                ts,
+                node,
+                role,
+                engine,
+                version,
+                model,
+                rank,
+                producer,
+                seq,
+                request_id,
+                instance,
+                detector,
+                kind,
+                mode,
+                action,
+                pages,
+                pages_total,
+                detail,
+                others,
+                other_pages,
+            ) = row
+            # time as SQLite's strftime('%Y-%m-%dT%H:%M:%fZ', ts, 'unixepoch') writes it: its
+            # rounding to the millisecond, iJD = (int64)(ts * 1000.0 + 210866760000000.0 + 0.5)
+            # in doubles; the text up to the second computed once per second.
+            jd = int(ts * 1000.0 + 210866760000000.0 + 0.5)
+            if jd // 1000 != second:
+                second = jd // 1000
+                when = datetime.fromtimestamp(second - _EPOCH_JD, UTC)
+                prefix = when.strftime("%Y-%m-%dT%H:%M:%S.")
+            out.append(
+                line(
+                    LOG_VERSION, journal_id, incident, ts, prefix + millis[jd % 1000], node,
+                    producer, seq, role, engine, version, model, rank, request_id, instance,
+                    detector, kind, mode, action, raw(pages), pages_total,
+                    sources.get((producer, seq), []), others, other_pages, raw(detail),
+                )
+            )  # fmt: skip
+            incident += 1
+        self._second, self._prefix = second, prefix
+        return _encode_lines(out)
+
+    def _append(self, first: int, blob: bytes) -> None:
+        """Append ``blob``, the lines of incidents ``first`` and up: in one write when it fits
+        in the file, else line by line (rotating between lines)."""
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = 0
+        if size + len(blob) <= self.max_bytes:
+            self._write([(first + blob.count(b"\n") - 1, blob)])
+        else:
+            # msgspec escapes a newline inside a string: each line ends at one.
+            lines = blob.split(b"\n")[:-1]
+            self._write([(first + k, data + b"\n") for k, data in enumerate(lines)])
 
     def _write(self, lines: list[tuple[int, bytes]]) -> None:
         """Append ``lines`` (incident id, line), rotating before a line that would not fit. The
@@ -266,6 +410,8 @@ class IncidentsLog:
         newest = int(journal.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
         self.written = min(written, newest)
         journal.set_meta(HIGH_WATER_KEY, str(self.written))
+        if journal.committed is None:
+            journal.committed = []  # from now on its commits hand their incidents over
 
 
 def _last_line(path: Path) -> bytes | None:

@@ -252,6 +252,17 @@ _encode_json: Final = msgspec.json.Encoder().encode
 _decode_json: Final = msgspec.json.Decoder().decode
 
 _SEP: Final = "\x1f"  # joins label values in the counters table
+#: Incidents :attr:`Journal.committed` holds at most: a consumer that falls behind reads the
+#: rest back from the table, in bounded memory.
+MAX_COMMITTED: Final = 65536
+
+
+class Committed(NamedTuple):
+    """Incidents one commit stored: their rows, ids ``first`` and up, and their exposures."""
+
+    first: int
+    incidents: list[IncidentRow]
+    exposures: list[ExposureRow]
 
 
 def _labels_text(labels: LabelKey) -> str:
@@ -296,6 +307,10 @@ class Journal:
 
     def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
         self.path = Path(path)
+        #: When a list (the incidents log sets it), each commit that stores incidents appends
+        #: them here with their ids, for the consumer to take: it need not read them back.
+        self.committed: list[Committed] | None = None
+        self._committed_count = 0
         if readonly:
             if not self.path.exists():
                 raise JournalError(f"no journal at {self.path}")
@@ -415,8 +430,18 @@ class Journal:
             db.execute("BEGIN IMMEDIATE")
             if batch.records:
                 _insert_records(db, batch.records)
+            first = 0
             if batch.incidents:
+                # No AUTOINCREMENT: SQLite gives a row max(id) + 1, so rows inserted in order
+                # take the ids after it (checked: the last one must be first + n - 1).
+                if self.committed is not None:
+                    first = db.execute("SELECT coalesce(max(id), 0) + 1 FROM incidents").fetchone()[
+                        0
+                    ]
                 _insert_incidents(db, batch.incidents)
+                if first:
+                    last = db.execute("SELECT last_insert_rowid()").fetchone()[0]
+                    first = first if last == first + len(batch.incidents) - 1 else 0
             if batch.exposures:
                 _insert_exposures(db, batch.exposures)
             if batch.rejects:
@@ -447,6 +472,19 @@ class Journal:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
+        if first and self.committed is not None:
+            if self._committed_count + len(batch.incidents) > MAX_COMMITTED:
+                self.take_committed()  # dropped: the consumer reads them from the table
+            self.committed.append(Committed(first, batch.incidents, batch.exposures))
+            self._committed_count += len(batch.incidents)
+
+    def take_committed(self) -> list[Committed]:
+        """What :attr:`committed` holds, in commit order; it starts empty again."""
+        taken = self.committed or []
+        if self.committed is not None:
+            self.committed = []
+        self._committed_count = 0
+        return taken
 
     def prune(
         self,
@@ -513,6 +551,10 @@ class Journal:
             )
             deleted += len(gone)
             db.execute("COMMIT")
+            # An incident handed over must still be in the table (and its id not free to be
+            # handed out again): when this pruned one, the consumer reads the table instead.
+            if any(row[0] < cutoff for c in self.committed or () for row in c.incidents):
+                self.take_committed()
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
