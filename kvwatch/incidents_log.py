@@ -41,7 +41,7 @@ from kvspool.records import (
     Text,
     Timestamp,
 )
-from kvwatch.journal import Committed, Journal
+from kvwatch.journal import ExposureRow, IncidentRow, Journal
 
 #: The line format's version (``v``).
 LOG_VERSION: Final = 1
@@ -51,6 +51,9 @@ HIGH_WATER_KEY: Final = "incidents_log_id"
 DRAIN_BATCH: Final = 1000
 #: Batches written per round at most.
 DRAIN_ROUNDS: Final = 10
+#: Incidents whose lines wait in memory for the next drain at most: past that, the drain
+#: reads them back from the journal (bounded memory, whatever the spool holds).
+MAX_PENDING: Final = 65536
 #: The longest line a reader accepts (a full event's line is well under this).
 MAX_LINE_BYTES: Final = 1 << 20
 
@@ -158,7 +161,7 @@ class _Line(Struct, gc=False):
     action: str
     pages: msgspec.Raw
     pages_total: int
-    sources: list[dict[str, Any]]
+    sources: tuple[dict[str, Any], ...]
     other_sources: int
     other_source_pages: int
     detail: msgspec.Raw
@@ -172,13 +175,13 @@ _EPOCH_JD: Final = 210866760000
 _MILLIS: Final = tuple(f"{m:03d}Z" for m in range(1000))
 
 
-def _sources(committed: Committed) -> dict[tuple[str, int], list[dict[str, Any]]]:
+def _sources(exposures: list[ExposureRow]) -> dict[tuple[str, int], tuple[dict[str, Any], ...]]:
     """Each reader's sources, most pages first, then in stored (id) order, as _SELECT_LINES."""
     edges: dict[tuple[str, int], list[Any]] = {}
-    for edge in committed.exposures:
+    for edge in exposures:
         edges.setdefault((edge.producer, edge.seq), []).append(edge)
     return {
-        key: [
+        key: tuple(
             {
                 "request_id": e.request_id,
                 "pages": e.pages,
@@ -186,7 +189,7 @@ def _sources(committed: Committed) -> dict[tuple[str, int], list[dict[str, Any]]
                 "written_at": e.written_at,
             }
             for e in sorted(found, key=lambda e: -e.pages)
-        ]
+        )
         for key, found in edges.items()
     }
 
@@ -225,18 +228,22 @@ class IncidentsLog:
         self.keep = keep
         self.written = -1  # unknown until recover() reads the journal and the log
         self._second, self._prefix = -1, ""  # the last second written into a line's time
+        self._journal_id = ""
+        #: Lines of committed incidents not written yet: (first id, count, oldest ts, lines).
+        self._pending: list[tuple[int, int, float, bytes]] = []
+        self._pending_count = 0
 
     def drain(self, journal: Journal) -> int:
         """Write the incidents committed since the last call; returns how many.
 
-        The journal's commits hand over what they stored (``Journal.committed``): those lines
-        are built from the rows in memory. What they do not cover (a backlog from before a
+        The lines of what the journal's commits handed over (:meth:`committed`) were encoded
+        from the rows in memory. What they do not cover (a backlog from before a
         restart, a prune, a failed write) is read back from the journal, at most
         ``DRAIN_ROUNDS`` batches a call: a backlog never holds up the spool for long."""
         journal_id = journal.meta("journal_id") or ""
         if self.written < 0:
             self.recover(journal)
-        pending = journal.take_committed()
+        pending, self._pending, self._pending_count = self._pending, [], 0
         # Pruning every incident lets SQLite hand out ids from 1 again: whatever is left was
         # written, so the mark comes down to the newest id there is (the daemon drains right
         # after pruning, before it stores new incidents).
@@ -245,18 +252,40 @@ class IncidentsLog:
             self.written = newest
             journal.set_meta(HIGH_WATER_KEY, str(newest))
         # The table up to the first incident handed over; then those, if the table reached it.
-        below = pending[0].first if pending else newest + 1
+        below = pending[0][0] if pending else newest + 1
         total = self._drain_table(journal, journal_id, below)
         if pending and self.written == below - 1:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            for committed in pending:
-                count = len(committed.incidents)
-                if committed.first != self.written + 1 or self.written + count > newest:
-                    break  # not what the table holds next (never seen): the table has the rest
-                self._append(committed.first, self._lines(journal_id, committed))
+            for first, count, _, lines in pending:
+                if first != self.written + 1 or self.written + count > newest:
+                    break  # not what the table holds next (never seen): it has the rest
+                self._append(first, count, lines)
                 total += count
             journal.set_meta(HIGH_WATER_KEY, str(self.written))
         return total
+
+    # -- the journal's commits (CommitListener) --------------------------------------------
+
+    def committed(
+        self, first: int, incidents: list[IncidentRow], exposures: list[ExposureRow]
+    ) -> None:
+        """Encode the lines of incidents the journal just stored, from the rows in memory, while
+        they are at hand (the reader's poll, the garbage collector off): the drain writes them."""
+        count = len(incidents)
+        if self._pending_count + count > MAX_PENDING:
+            self._pending, self._pending_count = [], 0  # the drain reads them from the journal
+        try:
+            oldest, lines = self._lines(first, incidents, exposures)
+        except Exception:  # never seen; the commit is done: the drain reads the journal instead
+            self._pending, self._pending_count = [], 0
+            return
+        self._pending.append((first, count, oldest, lines))
+        self._pending_count += count
+
+    def pruned(self, cutoff: float) -> None:
+        """A pruned incident's line must not be written from memory (its id may come again)."""
+        if any(oldest < cutoff for _, _, oldest, _ in self._pending):
+            self._pending, self._pending_count = [], 0
 
     def _drain_table(self, journal: Journal, journal_id: str, below: int) -> int:
         """Write incidents with ids under ``below`` from the journal's table."""
@@ -275,14 +304,18 @@ class IncidentsLog:
                 break
         return total
 
-    def _lines(self, journal_id: str, committed: Committed) -> bytes:
-        """The lines of the incidents one commit stored, with the values _SELECT_LINES gives."""
-        sources = _sources(committed) if committed.exposures else {}
+    def _lines(
+        self, first: int, incidents: list[IncidentRow], exposures: list[ExposureRow]
+    ) -> tuple[float, bytes]:
+        """The lines of incidents stored with ids ``first`` and up, with the values that
+        _SELECT_LINES gives; and the oldest one's ts."""
+        journal_id, oldest = self._journal_id, float("inf")
+        sources = _sources(exposures) if exposures else {}
         raw, line, millis = msgspec.Raw, _Line, _MILLIS
         second, prefix = self._second, self._prefix
         out = []
-        incident = committed.first
-        for row in committed.incidents:
+        incident = first
+        for row in incidents:
             (
                 ts,
                 node,
@@ -308,6 +341,8 @@ class IncidentsLog:
             # time as SQLite's strftime('%Y-%m-%dT%H:%M:%fZ', ts, 'unixepoch') writes it: its
             # rounding to the millisecond, iJD = (int64)(ts * 1000.0 + 210866760000000.0 + 0.5)
             # in doubles; the text up to the second computed once per second.
+            if ts < oldest:  # noqa: PLR1730 (a call to min() per row costs more)
+                oldest = ts
             jd = int(ts * 1000.0 + 210866760000000.0 + 0.5)
             if jd // 1000 != second:
                 second = jd // 1000
@@ -318,22 +353,22 @@ class IncidentsLog:
                     LOG_VERSION, journal_id, incident, ts, prefix + millis[jd % 1000], node,
                     producer, seq, role, engine, version, model, rank, request_id, instance,
                     detector, kind, mode, action, raw(pages), pages_total,
-                    sources.get((producer, seq), []), others, other_pages, raw(detail),
+                    sources.get((producer, seq), ()), others, other_pages, raw(detail),
                 )
             )  # fmt: skip
             incident += 1
         self._second, self._prefix = second, prefix
-        return _encode_lines(out)
+        return oldest, _encode_lines(out)
 
-    def _append(self, first: int, blob: bytes) -> None:
-        """Append ``blob``, the lines of incidents ``first`` and up: in one write when it fits
-        in the file, else line by line (rotating between lines)."""
+    def _append(self, first: int, count: int, blob: bytes) -> None:
+        """Append ``blob``, the lines of ``count`` incidents from ``first``: in one write when it
+        fits in the file, else line by line (rotating between lines)."""
         try:
             size = os.stat(self.path).st_size
         except FileNotFoundError:
             size = 0
         if size + len(blob) <= self.max_bytes:
-            self._write([(first + blob.count(b"\n") - 1, blob)])
+            self._write([(first + count - 1, blob)])
         else:
             # msgspec escapes a newline inside a string: each line ends at one.
             lines = blob.split(b"\n")[:-1]
@@ -410,8 +445,8 @@ class IncidentsLog:
         newest = int(journal.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
         self.written = min(written, newest)
         journal.set_meta(HIGH_WATER_KEY, str(self.written))
-        if journal.committed is None:
-            journal.committed = []  # from now on its commits hand their incidents over
+        self._journal_id = journal_id
+        journal.listener = self  # from now on its commits hand their incidents over
 
 
 def _last_line(path: Path) -> bytes | None:

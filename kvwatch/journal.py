@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any, Final, NamedTuple, get_args, get_type_hints
+from typing import Any, Final, NamedTuple, Protocol, get_args, get_type_hints
 
 import msgspec
 
@@ -252,17 +252,19 @@ _encode_json: Final = msgspec.json.Encoder().encode
 _decode_json: Final = msgspec.json.Decoder().decode
 
 _SEP: Final = "\x1f"  # joins label values in the counters table
-#: Incidents :attr:`Journal.committed` holds at most: a consumer that falls behind reads the
-#: rest back from the table, in bounded memory.
-MAX_COMMITTED: Final = 65536
 
 
-class Committed(NamedTuple):
-    """Incidents one commit stored: their rows, ids ``first`` and up, and their exposures."""
+class CommitListener(Protocol):
+    """Told what the journal stored, after the commit (the incidents log)."""
 
-    first: int
-    incidents: list[IncidentRow]
-    exposures: list[ExposureRow]
+    def committed(
+        self, first: int, incidents: list[IncidentRow], exposures: list[ExposureRow]
+    ) -> None:
+        """``incidents`` were stored with ids ``first`` and up, with ``exposures``; must not
+        raise (the commit is done)."""
+
+    def pruned(self, cutoff: float) -> None:
+        """Incidents older than ``cutoff`` were deleted (an id may be handed out again)."""
 
 
 def _labels_text(labels: LabelKey) -> str:
@@ -307,10 +309,9 @@ class Journal:
 
     def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
         self.path = Path(path)
-        #: When a list (the incidents log sets it), each commit that stores incidents appends
-        #: them here with their ids, for the consumer to take: it need not read them back.
-        self.committed: list[Committed] | None = None
-        self._committed_count = 0
+        #: Told each commit's incidents with their ids (the incidents log): it need not read
+        #: them back.
+        self.listener: CommitListener | None = None
         if readonly:
             if not self.path.exists():
                 raise JournalError(f"no journal at {self.path}")
@@ -434,7 +435,7 @@ class Journal:
             if batch.incidents:
                 # No AUTOINCREMENT: SQLite gives a row max(id) + 1, so rows inserted in order
                 # take the ids after it (checked: the last one must be first + n - 1).
-                if self.committed is not None:
+                if self.listener is not None:
                     first = db.execute("SELECT coalesce(max(id), 0) + 1 FROM incidents").fetchone()[
                         0
                     ]
@@ -472,19 +473,8 @@ class Journal:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
-        if first and self.committed is not None:
-            if self._committed_count + len(batch.incidents) > MAX_COMMITTED:
-                self.take_committed()  # dropped: the consumer reads them from the table
-            self.committed.append(Committed(first, batch.incidents, batch.exposures))
-            self._committed_count += len(batch.incidents)
-
-    def take_committed(self) -> list[Committed]:
-        """What :attr:`committed` holds, in commit order; it starts empty again."""
-        taken = self.committed or []
-        if self.committed is not None:
-            self.committed = []
-        self._committed_count = 0
-        return taken
+        if first and self.listener is not None:
+            self.listener.committed(first, batch.incidents, batch.exposures)
 
     def prune(
         self,
@@ -551,10 +541,8 @@ class Journal:
             )
             deleted += len(gone)
             db.execute("COMMIT")
-            # An incident handed over must still be in the table (and its id not free to be
-            # handed out again): when this pruned one, the consumer reads the table instead.
-            if any(row[0] < cutoff for c in self.committed or () for row in c.incidents):
-                self.take_committed()
+            if self.listener is not None:
+                self.listener.pruned(cutoff)
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
