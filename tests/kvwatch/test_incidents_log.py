@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvwatch import incidents_log
 from kvwatch.incidents_log import HIGH_WATER_KEY, IncidentsLog
@@ -62,12 +65,17 @@ def test_every_incident_once_with_its_sources_and_the_same_rows_as_the_journal(
     assert journal.meta(HIGH_WATER_KEY) == str(lines[-1]["id"])
 
 
+@pytest.mark.parametrize("source", ["memory", "journal"])
 def test_rotation_keeps_n_files_and_reads_back_in_order(
-    spool: Path, journal: Journal, tmp_path: Path
+    spool: Path, journal: Journal, tmp_path: Path, source: str
 ) -> None:
-    _events(spool, journal, 40)
+    """Lines encoded at commit time (a log attached before the poll) rotate between lines as
+    the ones read back from the journal do."""
     path = tmp_path / "incidents.jsonl"
     log = IncidentsLog(path, max_bytes=4096, keep=2)
+    if source == "memory":
+        log.recover(journal)
+    _events(spool, journal, 40)
     log.drain(journal)
     files = incidents_log.rotated(path)
     assert [f.name for f in files] == ["incidents.jsonl.2", "incidents.jsonl.1", "incidents.jsonl"]
@@ -227,15 +235,18 @@ def test_the_promtail_example_tails_the_default_log_and_labels_bounded_fields() 
     assert "source: ts" in text and "format: Unix" in text
 
 
-def test_a_full_disk_loses_no_line(spool: Path, journal: Journal, tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["memory", "journal"])
+def test_a_full_disk_loses_no_line(
+    spool: Path, journal: Journal, tmp_path: Path, source: str
+) -> None:
     """A write that fails (ENOSPC, from /dev/full) moves no mark: once the disk has room, every
-    line is written, once."""
+    line is written, once (lines encoded at commit time are dropped: the journal has them)."""
     import errno
 
-    import pytest
-
-    _events(spool, journal, 3)
     log = IncidentsLog("/dev/full", max_bytes=1 << 20, keep=3)
+    if source == "memory":
+        log.recover(journal)
+    _events(spool, journal, 3)
     with pytest.raises(OSError) as failed:
         log.drain(journal)
     assert failed.value.errno == errno.ENOSPC
@@ -243,3 +254,71 @@ def test_a_full_disk_loses_no_line(spool: Path, journal: Journal, tmp_path: Path
     log.path = tmp_path / "incidents.jsonl"  # room again
     assert log.drain(journal) == 3
     assert [line["request_id"] for line in _lines(log.path)] == ["req-0", "req-1", "req-2"]
+
+
+def test_lines_encoded_at_commit_are_the_lines_the_journal_gives(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    """The daemon encodes a committed incident's line from the rows in memory; its values are
+    exactly those SQLite writes from the stored columns (_SELECT_LINES, the path a backlog
+    takes): ts to the bit, time rounded to the millisecond as SQLite rounds, sources most pages
+    first (ties in stored order), two producers in one commit."""
+    log = IncidentsLog(tmp_path / "incidents.jsonl", max_bytes=1 << 20, keep=3)
+    log.recover(journal)  # as the daemon does at start: the journal's commits are handed over
+    rng = random.Random(18)
+    base = float(int(time.time()) - 86400)
+    fractions = [0.0, 0.0005, 0.0015, 0.9995, 0.999_999_9, 0.123_456_789, 59.9996, 3599.9995]
+    fractions += [rng.uniform(0, 7200) for _ in range(200)]
+    for name, node in (("sglang-decode-r0-1-node-a", "node-a"), ("vllm-prefill-r3-2-n-b", "n-b")):
+        p = Producer(spool, name, node=node, role="prefill" if "prefill" in name else "decode")
+        frames = [p.hello()]
+        for i, fraction in enumerate(fractions):
+            p.t0 = base + fraction - (p.seq + 1)  # this event's ts: base + fraction
+            sources = [
+                {"request_id": f"s{i}-{k}", "pages": rng.choice([1, 2, 2]), "written_at": 0.5}
+                for k in range(i % 4)
+            ]
+            frames.append(
+                p.event(
+                    f'req-{i}\n"é',
+                    pages=[i, i + 1],
+                    instance=None if i % 3 else f"inst-{i}",
+                    sources=sources,
+                    other_sources=i % 2,
+                    other_source_pages=i % 5,
+                )
+            )
+        p.append(*frames)
+    SpoolReader(spool, journal, journal.load(), idle_grace=3600.0).poll()
+    count = 2 * len(fractions)
+    assert log._pending_count == count  # encoded at commit, not read back
+    assert log.drain(journal) == count
+    stored = journal.db.execute(
+        incidents_log._SELECT_LINES, (journal.meta("journal_id"), 0, count + 1, count + 1)
+    ).fetchall()
+    assert _lines(log.path) == [json.loads(line) for _, line in stored]
+    assert incidents_log.read(log.path).rows == journal.incidents(after_id=0)  # id order
+    assert journal.meta(HIGH_WATER_KEY) == str(count)
+
+
+def test_a_prune_of_an_incident_not_yet_written_reads_the_journal_instead(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    """Incidents pruned before the drain are not written from memory, and the ids SQLite hands
+    out again after them are written once each."""
+    log = IncidentsLog(tmp_path / "incidents.jsonl", max_bytes=1 << 20, keep=3)
+    log.recover(journal)
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    p = Producer(spool, "sglang-decode-r0-1-node-a", t0=time.time() - 2 * 86400)
+    p.append(p.hello(), p.event("old-0"), p.event("old-1"))
+    reader.poll()
+    assert log._pending_count == 2
+    journal.prune(state, now=time.time(), retention=86400.0, records_retention=86400.0)
+    assert log._pending_count == 0  # dropped: their ids are free again
+    p.t0 = time.time() - p.seq - 1
+    p.append(p.event("new-0"))
+    reader.poll()
+    assert log.drain(journal) == 1
+    assert [(line["id"], line["request_id"]) for line in _lines(log.path)] == [(1, "new-0")]
+    assert incidents_log.read(log.path).rows == journal.incidents()
