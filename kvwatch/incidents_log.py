@@ -6,8 +6,9 @@ The file a log shipper (Grafana Alloy, Promtail, Fluent Bit) tails into Loki, an
 added within a version; removing or changing one is a new version). Like the journal it holds
 request ids, page ids and counts, never prompt text, token ids or KV bytes.
 
-Exactly once, across restarts and ``kill -9``: lines are written from the journal (after the
-commit that stored the incidents), and the journal's ``meta`` keeps the id of the last incident
+Exactly once, across restarts and ``kill -9``: lines are written after the commit that stored
+the incidents (encoded from the rows that commit handed over, or read back from the journal for
+what it did not), in id order, and the journal's ``meta`` keeps the id of the last incident
 written. A crash between the write and that update is repaired at start from the log itself:
 its last complete line names the journal and the incident id it holds, and a torn last line is
 cut off (its incident is written again, whole).
