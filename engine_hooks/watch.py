@@ -11,6 +11,10 @@ pages return to it        ``on_free(pages)``                          free canar
 decode reserves pages     ``ticket = on_reserve(rid, pages)``         reserved canary, tags
 prefill sent the KV       ``seal = seal(rid, pages)``                 checksum
 prefill wrote decode's    ``dest_pool.mark_written(pages, tags)``     page tags (writer side)
+a transfer without tags   ``landed(ticket)``                          page tags (writer side)
+  filled reserved pages
+the engine's own forward  ``wrote(rid, pages, instance)``             page tags, blast radius
+  wrote a request's pages
 decode admits             ``verify_admit(ticket, seal)``              all of the above
 decode step               ``check_step(ticket)``                      page tags (no sync)
 admission queue           ``on_admission(rid, queue, aborted, fin)``  admission invariant
@@ -27,12 +31,13 @@ request holds each of its recent generations and which last wrote it (see
 :mod:`engine_hooks.pagestate`: request keys beside the page tags, no content). They learn it
 from the calls above, with no new call needed: ``on_alloc(pages, request_id)`` and
 ``on_reserve(rid, pages, instance)`` say who owns a page's new generation; a write is known by
-its tag (``mark_written`` by a remote writer with the reader's ticket tags, ``extend`` and
-``PageState.own_writes`` for the engine's own writes, ``seal(rid, pages)`` for the writer's
-pages). When a finding of one of :data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported,
-its :class:`Verdict` carries ``sources`` (:class:`kvspool.records.Source`: request id,
-instance, pages, ``written_at``), most pages first, at most ``MAX_EVENT_SOURCES``, plus
-``other_sources`` and ``other_source_pages``; the spool event carries the same fields. A page
+its tag (``mark_written`` by a remote writer with the reader's ticket tags, ``landed`` for a
+transfer that carries no tags, ``extend`` and ``wrote`` for the engine's own writes,
+``seal(rid, pages)`` for the writer's pages). When a finding of one of
+:data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported, its :class:`Verdict` carries
+``sources`` (:class:`kvspool.records.Source`: request id, instance, pages, ``written_at``),
+most pages first, at most ``MAX_EVENT_SOURCES``, plus ``other_sources`` and
+``other_source_pages``; the spool event carries the same fields. A page
 never written since start-up, or scrubbed, has no source; the reader is never its own source;
 pages whose writer the hooks cannot name are counted in the event's
 ``detail["unattributed_pages"]``. Look-ups run only when a finding is reported (at a sync
@@ -300,6 +305,8 @@ _HOOK_DETECTORS = {
         "seal": ("checksum",),
         "verify": ("canary", "checksum", "page_tag"),
         "step": ("page_tag",),
+        "landed": ("page_tag",),
+        "wrote": ("page_tag",),
         "resolve": (),
         "admission": ("admission",),
         "startup": (),
@@ -436,9 +443,7 @@ class KVWatch:
         if self.state is None:
             return
         index = self.state.index(pages)
-        now = time.time()
-        self.state.claim(index, self.requests.key(ticket.request_id, ticket.instance), now)
-        self.state.own_writes(index, now)
+        self._own(index, ticket.request_id, ticket.instance)
         gens = self.state.generations(index)
         if isinstance(ticket.pages, list) and isinstance(ticket.tags, list):
             # Host lists grow in place (a copy per decode page is O(pages)); nothing else
@@ -449,6 +454,49 @@ class KVWatch:
             ticket.pages = self.state.concat([ticket.pages, index])
             ticket.tags = self.state.concat([ticket.tags, gens])
         ticket._append(index, gens)
+
+    @_hook("wrote", lambda: None)
+    def wrote(self, request_id: str, pages: PageIds, instance: str = "") -> None:
+        """The request's own forward wrote these pages (an engine's own writes carry no tags):
+        they are written for their current generation and hold its KV from now on."""
+        if self.state is None or len(pages) == 0:
+            return
+        self._own(self.state.index(pages), request_id, instance)
+
+    def _own(self, index: Ints, request_id: str, instance: str = "") -> None:
+        """``request_id`` wrote the pages ``index`` itself, now."""
+        assert self.state is not None
+        now = time.time()
+        self.state.claim(index, self.requests.key(request_id, instance), now)
+        self.state.own_writes(index, now)
+
+    @_hook("landed", lambda: None)
+    def landed(self, ticket: Ticket) -> None:
+        """A transfer that carries no page tags (SGLang's, NIXL's) completed into ``ticket``'s
+        reserved pages: mark written the pages it really wrote, told by the reserved canary
+        being gone (all of them where the canary cannot tell: off, or a pool it cannot stamp).
+        A page it did not write keeps the tag of its last write, so a finding on it names
+        whose KV it still holds, never the reader. No host sync on an accelerator."""
+        state, pool, canary = self.state, self.pool, self.canary
+        if state is None or pool is None or not ticket.page_count:
+            return
+        if canary is None or not canary.usable or canary.mode is Mode.OFF:
+            pool.mark_written(ticket.pages, ticket.tags)
+            return
+        intact = state.intact(ticket.pages, ticket.tags, Purpose.RESERVED)
+        if isinstance(intact, torch.Tensor):  # on the device: a select, no sync
+            index = pool.as_index(ticket.pages)
+            tags = torch.as_tensor(ticket.tags).to(device=pool.device, dtype=torch.int64)
+            store = pool.tag_store
+            store[index] = torch.where(intact, store.index_select(0, index), tags)
+            return
+        written = [
+            (page, tag)
+            for page, tag, unwritten in zip(ticket.pages, ticket.tags, intact, strict=True)
+            if not unwritten
+        ]
+        if written:
+            pool.mark_written([p for p, _ in written], [t for _, t in written])
 
     @_hook("seal", lambda: None)
     def seal(self, request_id: str, pages: PageIds, tokens: int | None = None) -> Seal | None:
@@ -469,9 +517,7 @@ class KVWatch:
             else:
                 used = tokens - (count - 1) * page_size
                 self.state.scrub_tail(int(last[0]), max(0, used))
-        now = time.time()
-        self.state.claim(index, self.requests.key(request_id), now)
-        self.state.own_writes(index, now)
+        self._own(index, request_id)
         if not self.checksum.active():
             return None
         return replace(self.checksum.seal(pages), residue=residue)

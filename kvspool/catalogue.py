@@ -109,6 +109,8 @@ HOOK: Final = _label(
         "seal": "the writer seals a digest",
         "verify": "the reader verifies",
         "step": "once per engine step",
+        "landed": "a transfer without tags completed",
+        "wrote": "a request's forward wrote its pages",
         "resolve": "device verdicts read back",
         "admission": "an admission queue is checked",
         "startup": "the hooks are installed",

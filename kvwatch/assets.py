@@ -32,6 +32,7 @@ KINDS: Final[dict[str, dict[str, str]]] = {
         "kvwatch.service": "deploy/kvwatch.service",
         "kvwatch.toml": "deploy/kvwatch.toml",
         "kubernetes.yaml": "deploy/kubernetes.yaml",
+        "promtail-incidents.yml": "deploy/promtail-incidents.yml",
     },
 }
 
@@ -39,7 +40,8 @@ DESCRIPTIONS: Final = {
     "dashboards": "the Grafana dashboards' JSON (overview and node)",
     "rules": "Prometheus alert and recording rules, a scrape config and Alertmanager routing",
     "grafana-alerts": "the alert rules as Grafana alerting provisioning (JSON)",
-    "deploy": "the systemd unit, the daemon's TOML config and the Kubernetes DaemonSet",
+    "deploy": "the systemd unit, the daemon's TOML config, the Kubernetes DaemonSet and a"
+    " Promtail config that ships the incidents log to Loki",
 }
 
 

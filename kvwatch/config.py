@@ -1,41 +1,8 @@
 """The daemon's configuration: a TOML file, then command-line flags on top.
 
-Example (``deploy/kvwatch.toml``)::
-
-    spool_dir = "/run/kvwatch/spool"
-    journal = "/var/lib/kvwatch/journal.db"
-    listen = "127.0.0.1:29321"   # ":29321" means every interface
-    nvml = true
-    retention = "30d"            # incidents, rejects, gaps
-    records_retention = "2d"     # the per-record accounting rows
-    allowed_users = ["sglang"]   # who may write spool segments (default: the daemon's own user)
-    incidents_log = "/var/lib/kvwatch/incidents.jsonl"  # default: beside the journal; "off"
-    incidents_log_max_bytes = 67108864  # rotated at this size
-    incidents_log_keep = 5              # rotated files kept (PATH.1 ... PATH.5)
-
-    [[logs]]
-    path = "/var/log/sglang/prefill.log"
-    role = "prefill"
-    engine = "sglang"
-
-The fast path to the pager (:mod:`kvwatch.pager`): the daemon posts its counter alerts
-(KVIntegrityMismatch, KVAbortedRequestAdmitted, KVSpoolRecordsLost) to every Alertmanager itself,
-with the labels the Prometheus rule gives them, so Alertmanager merges the two into one
-notification; the rule stays the path that survives a daemon that cannot reach Alertmanager::
-
-    node = "prefill-0"             # Prometheus's `node` target label for this daemon
-                                   # (default: the host name); must match, or pages come twice
-    alertmanager_urls = ["http://am-0:9093", "http://am-1:9093", "http://am-2:9093"]
-    alertmanager_enabled = true    # false: keep the URLs, post nothing
-    # Prometheus's external labels as its alerts reach Alertmanager, i.e. without the `replica`
-    # label that alert_relabel_configs drops in an HA pair.
-    alertmanager_labels = { cluster = "prod-eu" }
-    alertmanager_timeout = "10s"   # per post (Prometheus's default)
-    alertmanager_resend = "1m"     # re-send a firing alert this often (Prometheus's resend delay)
-    prometheus_scrape_interval = "15s"  # how often Prometheus scrapes this daemon
-    alertmanager_ca_file = ""      # https:// URLs: the CA bundle (default: the system's)
-    alertmanager_username = ""     # HTTP basic auth, with the password in a file
-    alertmanager_password_file = ""
+Every setting, with what it does and its default, is in the example ``deploy/kvwatch.toml``
+(``kvwatch export deploy``): commented out where the default applies. The fast path to the pager
+(``node``, ``alertmanager_*``, ``prometheus_scrape_interval``) is :mod:`kvwatch.pager`'s.
 """
 
 from __future__ import annotations

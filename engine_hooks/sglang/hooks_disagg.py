@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from engine_hooks.detectors import Mode, Verdict
-from engine_hooks.landed import mark_landed
 from engine_hooks.sglang.guard import failed, safe
 from engine_hooks.sglang.report import log_verdicts
 from engine_hooks.sglang.runtime import Held, runtime
@@ -181,7 +180,7 @@ def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any
     if ticket is None:
         return
     # Tags do not travel with SGLang's transfer: the write is recorded at admission
-    # (mark_landed), for the pages the transfer really wrote.
+    # (KVWatch.landed), for the pages the transfer really wrote.
     rt.keep_ticket(watch, ticket, int(prefix))
 
 
@@ -207,12 +206,6 @@ def _verify_deferred(watch: KVWatch, ticket: Ticket) -> None:
         watch.stats.verified("page_tag")
     watch.stats.skipped("checksum", "no_seal")
     watch._pending.extend(findings)
-
-
-def landed(watch: KVWatch, ticket: Ticket) -> None:
-    """The transfer into the request's reserved pages completed: record which pages it wrote
-    (the last writer of a page it did not write stays that page's source)."""
-    mark_landed(watch, ticket)
 
 
 def decode_pages(batch: Any, tickets: dict[int, Held]) -> None:
@@ -252,7 +245,9 @@ def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
         if held is None:
             continue
         watch, ticket = held.watch, held.ticket
-        landed(watch, ticket)
+        # The transfer completed: record which pages it wrote (the last writer of a page it
+        # did not write stays that page's source).
+        watch.landed(ticket)
         pool = watch.pool
         on_device = pool is not None and not pool.is_cpu
         if on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):

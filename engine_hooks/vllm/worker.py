@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine_hooks import KVWatch, PagedKVPool, Seal, Ticket, Verdict
-from engine_hooks.landed import mark_landed
 from engine_hooks.vllm.metadata import KVWatchMetadata, KVWatchWorkerMetadata, ReserveJob, VerifyJob
 from engine_hooks.watch import new_instance
 
@@ -92,7 +91,7 @@ class WorkerSide:
                 self.verify(verify)
         # After the checks of what is in the blocks now: this step's forward writes them next.
         for write in meta.writes:
-            self.wrote(write.request_id, write.block_ids)
+            self.watch.wrote(write.request_id, write.block_ids, self.instance_of(write.request_id))
         for rid in meta.release:
             self.tickets.pop(rid, None)
             self.instances.pop(rid, None)
@@ -111,7 +110,7 @@ class WorkerSide:
         # for the blocks it really wrote: the tag check then catches a block reallocated
         # between reservation and this read, and a block it did not write keeps its last
         # writer, whom a finding names.
-        mark_landed(self.watch, ticket)
+        self.watch.landed(ticket)
         verdicts = self.watch.verify_admit(ticket, seal)
         self._record(verdicts)
         held = [int(b) for b in ticket.pages]
@@ -125,16 +124,6 @@ class WorkerSide:
         if instance is None:
             instance = self.instances[request_id] = new_instance()
         return instance
-
-    def wrote(self, request_id: str, block_ids: list[int]) -> None:
-        """The request's own forward writes these blocks: they hold its KV from now on."""
-        state = self.watch.state
-        if state is None or not block_ids:
-            return
-        index = state.index(block_ids)
-        now = time.time()
-        state.claim(index, self.watch.requests.key(request_id, self.instance_of(request_id)), now)
-        state.own_writes(index, now)
 
     def _seal_for(self, job: ReserveJob, count: int) -> Seal | None:
         """The seal of the blocks the transport delivered: the sealed blocks from decode's own

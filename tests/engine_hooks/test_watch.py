@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine_hooks import KVWatch, watch
+from engine_hooks import KVWatch, Mode, watch
 from engine_hooks.detectors import Admission, Canary, PageTags, TransferChecksum
+from engine_hooks.pagestate import DevicePages
 from engine_hooks.testing import read_spool
 from kvspool import catalogue
-from tests.engine_hooks.harness import Pair
+from tests.engine_hooks.harness import Pair, fill, make_pool
 
 
 def test_events_counters_and_gauges_reach_the_spool(tmp_path: Path) -> None:
@@ -165,3 +167,69 @@ def test_a_reused_request_id_at_the_door_is_two_admissions(tmp_path: Path) -> No
     watch.close()
     events = read_spool(tmp_path).events(detector="admission")
     assert len(events) == 2 and len({e["instance"] for e in events}) == 2
+
+
+def _watch(mode: str, device_backend: bool) -> KVWatch:
+    w = KVWatch(make_pool("mha", torch.bfloat16, 12), role="decode", engine="minipd", mode=mode)
+    assert w.pool is not None
+    if device_backend:  # the accelerator backend, run on CPU tensors
+        w.state = DevicePages(w.pool, kernel=False)
+        w.tags = type(w.tags)(w.state, w.stats, Mode(mode)) if w.tags else None
+        w.canary = type(w.canary)(w.pool, w.state, w.stats, Mode(mode)) if w.canary else None
+    w.on_free(range(12))
+    return w
+
+
+@pytest.mark.parametrize("device_backend", [False, True], ids=["host", "device"])
+def test_landed_marks_only_the_pages_the_transfer_wrote(device_backend: bool) -> None:
+    """A transfer that carries no tags marks written exactly the pages it wrote."""
+    w = _watch("log", device_backend)
+    assert w.pool is not None and w.state is not None
+    w.on_alloc([2, 3, 4, 5])
+    ticket = w.on_reserve("reader", [2, 3, 4, 5])
+    assert ticket is not None
+    fill(w.pool, [2, 4], random.Random(1))  # the transfer wrote two of the four pages
+    w.landed(ticket)
+    stale = [bool(b) for b in w.state.stale(ticket.pages, ticket.tags)]
+    assert stale == [False, True, False, True]
+
+
+@pytest.mark.parametrize("device_backend", [False, True], ids=["host", "device"])
+def test_landed_without_a_canary_counts_every_page_written(device_backend: bool) -> None:
+    w = _watch("off", device_backend)
+    assert w.state is not None
+    w.on_alloc([2, 3])
+    ticket = w.on_reserve("reader", [2, 3])
+    assert ticket is not None
+    w.landed(ticket)  # the canary cannot tell: the transfer is taken at its word
+    assert [bool(b) for b in w.state.stale(ticket.pages, ticket.tags)] == [False, False]
+
+
+@pytest.mark.parametrize("device_backend", [False, True], ids=["host", "device"])
+def test_wrote_marks_the_pages_written_by_their_request(device_backend: bool) -> None:
+    """An engine's own forward writes: the pages are written for their current generation and
+    name the writer (request and instance) as their holder."""
+    w = _watch("log", device_backend)
+    assert w.state is not None
+    w.on_alloc([2, 3])
+    index = w.state.index([2, 3])
+    gens = w.state.generations(index)
+    assert [bool(b) for b in w.state.stale(index, gens)] == [True, True]
+    w.wrote("writer", [2, 3], "writer-1")
+    w.wrote("writer", [])  # nothing written: nothing recorded
+    assert [bool(b) for b in w.state.stale(index, gens)] == [False, False]
+    keys, _ = w.state.sources(index)
+    assert [w.requests.get(k) for k in keys] == [("writer", "writer-1")] * 2
+
+
+def test_wrote_and_landed_never_raise_and_are_timed() -> None:
+    w = _watch("log", False)
+    ticket = w.on_reserve("reader", [2])
+    assert ticket is not None
+    w.wrote("writer", [99])  # no such page
+    w.landed(watch.Ticket("reader", [99], [1]))
+    assert w.stats.get("hook_errors", "wrote") == 1
+    assert w.stats.get("hook_errors", "landed") == 1
+    w.landed(ticket)
+    assert w.stats.get("hook_seconds", "landed") > 0
+    assert w.stats.get("hook_seconds", "wrote") > 0

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import os
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from kvwatch.config import (
     DEFAULT_LISTEN,
+    KNOWN_SETTINGS,
+    Config,
     ConfigError,
     check_retention,
     load,
@@ -163,3 +168,37 @@ def test_the_incidents_log_defaults_beside_the_journal(tmp_path: Path) -> None:
     assert config.incidents_log_path == "/logs/i.jsonl" and config.incidents_log_keep == 2
     path.write_text('incidents_log = "off"\n')
     assert load(path).incidents_log_path is None
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "kvwatch.toml"
+# A commented setting of the example: "# key = value" (or a [[logs]] table header).
+_COMMENTED = re.compile(r"^# (\[\[logs\]\]|[a-z_]+ = .*)$", flags=re.M)
+
+
+def test_the_example_config_is_the_defaults_as_shipped() -> None:
+    """deploy/kvwatch.toml loads as installed, and what it leaves uncommented is the default."""
+    assert load(EXAMPLE) == Config()
+
+
+def test_the_example_config_shows_every_setting_and_each_loads(tmp_path: Path) -> None:
+    """Every setting the daemon accepts is in the example, and the example with every commented
+    setting switched on loads (its users replaced by one that exists here)."""
+    text = _COMMENTED.sub(r"\1", EXAMPLE.read_text())
+    text = re.sub(r"^allowed_users = .*$", f"allowed_users = [{os.geteuid()}]", text, flags=re.M)
+    shown = set(tomllib.loads(text))
+    assert shown == KNOWN_SETTINGS - {"allowed_uids"}  # allowed_uids: allowed_users, resolved
+    path = tmp_path / "kvwatch.toml"
+    path.write_text(text)
+    config = load(path)
+    assert config.incidents_log_path == "/var/lib/kvwatch/incidents.jsonl"
+    assert (config.incidents_log_max_bytes, config.incidents_log_keep) == (64 << 20, 5)
+    assert config.node_name == "prefill-0"
+    assert config.alertmanager_urls == [f"http://am-{i}:9093" for i in range(3)]
+    assert config.alertmanager_enabled is True
+    assert config.alertmanager_labels == {"cluster": "prod-eu"}
+    assert (config.alertmanager_timeout, config.alertmanager_resend) == (10.0, 60.0)
+    assert config.prometheus_scrape_interval == 15.0
+    assert config.alertmanager_ca_file == "/etc/kvwatch/alertmanager-ca.crt"
+    assert config.alertmanager_username == "kvwatch"
+    assert config.alertmanager_password_file == "/etc/kvwatch/alertmanager.password"
+    assert [log.role for log in config.logs] == ["prefill", "decode"]

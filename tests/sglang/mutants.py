@@ -89,7 +89,7 @@ X = "tests/sglang/test_exposure.py::"
 #: mutant does, the tests that must notice). Each mutant keeps every hook and removes one call.
 CALLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
-        "hooks_disagg.landed",
+        "KVWatch.landed",
         "admission records no transfer write",
         (X + "test_the_incident_names_exactly_the_exposed_requests",),
     ),
@@ -122,11 +122,16 @@ def _without(index: int) -> None:
 
 def _remove_call(target: str) -> None:
     """``module.name`` of the plugin (``engine_hooks.sglang.``) becomes a no-op; for the
-    watch's class, the ``scrub`` setting is dropped instead."""
+    watch's class, the ``scrub`` setting is dropped instead. ``KVWatch.method``: the hook
+    method the plugin calls becomes a no-op (the plugin is its only caller here)."""
     import importlib
 
     module_name, name = target.rsplit(".", 1)
-    module = importlib.import_module(f"engine_hooks.sglang.{module_name}")
+    module: Any
+    if module_name == "KVWatch":
+        module = importlib.import_module("engine_hooks.watch").KVWatch
+    else:
+        module = importlib.import_module(f"engine_hooks.sglang.{module_name}")
     real = getattr(module, name)
 
     def mutated(*args: Any, **kwargs: Any) -> Any:

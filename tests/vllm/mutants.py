@@ -58,13 +58,14 @@ def _no_scrub() -> None:
 
 
 #: The calls inside the hooks that record whose KV a block holds, and scrub: each, removed,
-#: must make a test fail too.
+#: must make a test fail too. (The connector is KVWatch's only caller of ``wrote`` and
+#: ``landed`` in these tests: the method made a no-op is the connector's call removed.)
 CALLS: dict[str, Callable[[], None]] = {
     "call: SchedulerSide._forward_writes": _noop(
         "engine_hooks.vllm.scheduler", "SchedulerSide", "_forward_writes"
     ),
-    "call: WorkerSide.wrote": _noop("engine_hooks.vllm.worker", "WorkerSide", "wrote"),
-    "call: worker mark_landed": _noop("engine_hooks.vllm.worker", "", "mark_landed"),
+    "call: KVWatch.wrote": _noop("engine_hooks.watch", "KVWatch", "wrote"),
+    "call: KVWatch.landed": _noop("engine_hooks.watch", "KVWatch", "landed"),
     "call: BlockLedger.evicted": _noop("engine_hooks.vllm.blocks", "BlockLedger", "evicted"),
     "call: KVWatch(scrub=...)": _no_scrub,
 }
