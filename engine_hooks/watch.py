@@ -366,6 +366,10 @@ class KVWatch:
         self._on_device = pool is not None and not pool.is_cpu
         self._lock = threading.Lock()  # guards the spool snapshot against the flush thread
         self._stop = threading.Event()
+        # Set by a mismatch: the flush thread writes the counters at once, not a flush interval
+        # later (the alert pages on the counter; an engine killed in between would leave an
+        # event that pages nobody). The engine's thread only sets it: it never waits on a write.
+        self._flush_soon = threading.Event()
         self._thread: threading.Thread | None = None
         if self.spool is not None:
             self.flush()
@@ -647,18 +651,19 @@ class KVWatch:
                 "kind": verdict.kind or "other",
                 "mode": str(verdict.mode),
                 "action": "enforced" if verdict.blocks else "logged",
-                "request_id": verdict.request_id[:128],
+                "request_id": _text(verdict.request_id),
                 "pages": list(verdict.pages[: schema.MAX_EVENT_PAGES]),
                 "pages_total": len(verdict.pages),
                 "detail": verdict.detail,
             }
             if verdict.instance:
-                record["instance"] = verdict.instance[:128]
+                record["instance"] = _text(verdict.instance)
             if verdict.kind in EXPOSING_KINDS:
                 record["sources"] = [_source_record(s) for s in verdict.sources]
                 record["other_sources"] = verdict.other_sources
                 record["other_source_pages"] = verdict.other_source_pages
             self.spool.write(schema.EVENT, record)
+            self._flush_soon.set()
         return verdict
 
     def _expose(self, verdict: Verdict, residue: Sequence[tuple[str, str]] = ()) -> Verdict:
@@ -737,7 +742,11 @@ class KVWatch:
             self._write_gauges()
 
     def _flush_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        while True:
+            self._flush_soon.wait(interval)
+            self._flush_soon.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.flush()
             except Exception:  # a snapshot lost now is taken again next interval
@@ -748,6 +757,7 @@ class KVWatch:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._flush_soon.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         self.flush()
@@ -764,14 +774,20 @@ def _is_reader(ident: tuple[str, str], verdict: Verdict) -> bool:
     return request_id == verdict.request_id[:128]
 
 
+def _text(value: str) -> str:
+    """An id as the spool takes it: valid UTF-8 (a lone surrogate, which UTF-8 cannot hold, as
+    its escape: the record would be refused whole) and at most 128 characters."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")[:128]
+
+
 def _source_record(source: Source) -> dict[str, Any]:
     record: dict[str, Any] = {
-        "request_id": source.request_id,
+        "request_id": _text(source.request_id),
         "pages": source.pages,
         "written_at": source.written_at,
     }
     if source.instance:
-        record["instance"] = source.instance
+        record["instance"] = _text(source.instance)
     return record
 
 

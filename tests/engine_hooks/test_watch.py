@@ -233,3 +233,30 @@ def test_wrote_and_landed_never_raise_and_are_timed() -> None:
     w.landed(ticket)
     assert w.stats.get("hook_seconds", "landed") > 0
     assert w.stats.get("hook_seconds", "wrote") > 0
+
+
+def test_a_mismatch_writes_its_counters_at_once_not_a_flush_interval_later(tmp_path: Path) -> None:
+    """The alert pages on the mismatch counter: an engine killed within a flush interval of the
+    event would leave a journaled leak that pages nobody. The counters follow the event at once
+    (from the flush thread: the engine's thread never waits on it)."""
+    watch = KVWatch(None, role="decode", engine="sglang", spool=tmp_path, flush_interval=3600)
+    watch.on_admission("r", "decode_prealloc", aborted=True, finished=False)
+    deadline = time.monotonic() + 10
+    mismatches = 0.0
+    while time.monotonic() < deadline and not mismatches:
+        snapshots = [r for r in read_spool(tmp_path).records if r["type"] == "counters"]
+        mismatches = sum(
+            value for name, _, value in snapshots[-1]["counters"] if name == "mismatches"
+        )
+        time.sleep(0.05)
+    watch.close()
+    assert mismatches == 1
+
+
+def test_ids_that_utf8_cannot_hold_still_reach_the_spool(tmp_path: Path) -> None:
+    """A lone surrogate in a request id would make the whole event unwritable: it is escaped."""
+    watch = KVWatch(None, role="decode", engine="sglang", spool=tmp_path)
+    watch.on_admission("bad\ud800" + "x" * 300, "decode_prealloc", aborted=True, finished=False)
+    watch.close()
+    (event,) = read_spool(tmp_path).events(detector="admission")
+    assert event["request_id"].startswith("bad\\ud800x") and len(event["request_id"]) == 128
