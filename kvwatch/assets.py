@@ -34,6 +34,16 @@ KINDS: Final[dict[str, dict[str, str]]] = {
         "kubernetes.yaml": "deploy/kubernetes.yaml",
         "promtail-incidents.yml": "deploy/promtail-incidents.yml",
     },
+    "fleet": {
+        "README.md": "deploy/README.md",
+        "prometheus-ha.yml": "deploy/prometheus-ha.yml",
+        "prometheus.default": "deploy/prometheus.default",
+        "prometheus-alertmanager.default": "deploy/prometheus-alertmanager.default",
+        "victoria-metrics.default": "deploy/victoria-metrics.default",
+        "kvwatch-fleet.toml": "deploy/kvwatch-fleet.toml",
+        "targets/alertmanagers.json": "deploy/targets/alertmanagers.json",
+        "targets/kvwatch-example.json": "deploy/targets/kvwatch-example.json",
+    },
 }
 
 DESCRIPTIONS: Final = {
@@ -42,6 +52,8 @@ DESCRIPTIONS: Final = {
     "grafana-alerts": "the alert rules as Grafana alerting provisioning (JSON)",
     "deploy": "the systemd unit, the daemon's TOML config, the Kubernetes DaemonSet and a"
     " Promtail config that ships the incidents log to Loki",
+    "fleet": "a Prometheus HA pair (with its target files), an Alertmanager cluster's and"
+    " VictoriaMetrics' flags, the daemon's fast-path config, and how they fit together",
 }
 
 
@@ -72,7 +84,7 @@ def export(kind: str, destination: Path, *, force: bool = False) -> list[Path]:
     clobbered = [str(t) for t in targets if t.exists()]
     if clobbered and not force:
         raise AssetError(f"{clobbered[0]} exists; pass --force to overwrite")
-    destination.mkdir(parents=True, exist_ok=True)
     for source, target in zip(sources, targets, strict=True):
+        target.parent.mkdir(parents=True, exist_ok=True)  # a kind may keep files in folders
         shutil.copyfile(source, target)
     return targets
