@@ -66,6 +66,14 @@ def health(state: State) -> Health:
                 mismatches[labels[0]] = mismatches.get(labels[0], 0.0) + value
             elif family == "kvwatch_aborted_admissions":
                 aborted += value
+        # The events the journal holds count too: a producer whose counter snapshot never
+        # came (an engine killed right after the event) must not read "no KV mismatch".
+        incidents: dict[str, float] = {}
+        for (name, labels), value in state.daemon.items():
+            if name == "incidents" and value:
+                incidents[labels[0]] = incidents.get(labels[0], 0.0) + value
+        for detector, value in incidents.items():
+            mismatches[detector] = max(mismatches.get(detector, 0.0), value)
         lost = state.daemon.get(("spool_lost_records", ()), 0.0)
         rejected = sum(v for (n, _), v in state.daemon.items() if n == "spool_rejected")
         return Health(

@@ -89,6 +89,19 @@ def test_integrity_outranks_everything(spool: Path, state: State, reader: SpoolR
     assert summary.headline.startswith("ALARM: INTEGRITY ALERT: 3 KV mismatch(es) (canary 3)")
 
 
+def test_an_event_without_its_counter_snapshot_still_alarms(
+    spool: Path, state: State, reader: SpoolReader
+) -> None:
+    """An engine killed right after writing an event never sends the counters that carry it:
+    the journal's incident must not read "no KV mismatch"."""
+    producer = Producer(spool)
+    producer.append(producer.hello(), producer.counters(10), producer.event("r"))
+    reader.poll()
+    summary = summarize(state, fresh(state))
+    assert summary.level == "alarm", summary.as_dict()
+    assert "1 KV mismatch(es) (canary 1)" in summary.headline
+
+
 def test_incidents_since_a_timestamp_and_by_kind(
     spool: Path, state: State, reader: SpoolReader, tmp_path: Path
 ) -> None:
