@@ -192,8 +192,8 @@ def _incidents(args: argparse.Namespace) -> int:
             return fail("incidents", f"cannot read the incidents log {path}: {exc.strerror or exc}")
     found.append(read.rows)
     for error in read.errors[:_SHOWN_ERRORS]:
-        print(f"kvwatch incidents: {error}; skipped", file=sys.stderr)
-    if read.skipped:
+        print(f"kvwatch incidents: {error}", file=sys.stderr)
+    if read.bad_files > 1 or len(read.errors) > _SHOWN_ERRORS:
         print(
             f"kvwatch incidents: {read.skipped} line(s) skipped in the incidents log(s); "
             "every other line is listed",

@@ -54,6 +54,10 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f" (one of: {', '.join(options)})"
 
 
+#: The shortest spool poll interval (seconds).
+MIN_POLL_INTERVAL: Final = 0.01
+
+
 def parse_duration(value: object, *, setting: str = "duration") -> float:
     """Seconds from ``"90s"``, ``"15m"``, ``"1h"``, ``"30d"``, ``"2w"``, ``"250ms"``.
 
@@ -224,6 +228,12 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
                 raise ConfigError(f"{key}: expected a string, got {value!r}")
             setattr(config, key, value)
     parse_listen(config.listen)
+    if config.poll_interval < MIN_POLL_INTERVAL:
+        # 0s would spin a core polling the spool; nothing an engine writes needs under 10ms.
+        raise ConfigError(
+            f"poll_interval: must be at least {MIN_POLL_INTERVAL * 1000:g}ms, "
+            f"got {config.poll_interval * 1000:g}ms"
+        )
     if config.incidents_log_max_bytes < 4096 or config.incidents_log_keep < 0:
         raise ConfigError(
             "incidents_log_max_bytes must be at least 4096 and incidents_log_keep at least 0, "

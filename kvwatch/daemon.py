@@ -91,6 +91,38 @@ def lock_journal(path: str) -> int:
     return fd
 
 
+def check_incidents_log(path: str) -> None:
+    """Refuse to start on an incidents log that cannot be appended to (its folder created if
+    missing, as the journal's): found now, not as an error on every poll."""
+    log = Path(path)
+    if log.is_dir():
+        raise DaemonError(f"incidents_log {path} is a directory; give a file")
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DaemonError(
+            f"incidents_log {path}: {log.parent} exists and is not a folder"
+        ) from None
+    except OSError as exc:
+        raise DaemonError(
+            f"incidents_log {path}: cannot create {log.parent}: {_reason(exc)}"
+        ) from None
+    existed = log.exists()
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    except OSError as exc:
+        raise DaemonError(f"cannot open the incidents log {path}: {_reason(exc)}") from None
+    os.close(fd)
+    if not existed:  # the log appears with its first incident, as before
+        with contextlib.suppress(OSError):
+            log.unlink()
+
+
+#: While the incidents log cannot be written, its error is logged again at most this often
+#: (seconds), or when its reason changes: kvwatch_collector_success says so on every poll.
+WRITE_FAILED_EVERY: Final = 60.0
+
+
 def lock_spool(path: str) -> int | None:
     """An exclusive lock on the spool folder; None while the folder does not exist yet."""
     try:
@@ -114,6 +146,8 @@ class Daemon:
         try:
             self._locks.append(lock_journal(config.journal))
             self._spool_lock = lock_spool(config.spool_dir)
+            if config.incidents_log_path:
+                check_incidents_log(config.incidents_log_path)
             try:
                 self.journal = Journal(config.journal)
                 self.state = self.journal.load()
@@ -158,6 +192,8 @@ class Daemon:
         self.ready = threading.Event()
         self._spool_missing = False
         self._exit_code = 0
+        #: The incidents log's write failure being reported (its reason), and when last logged.
+        self._log_failure: tuple[str, float] | None = None
         self._signals: list[str] = []
         self.server: Any = None
         self._next_prune = 0.0
@@ -319,7 +355,15 @@ class Daemon:
             ok = True
         except (OSError, sqlite3.Error) as exc:
             ok = False
-            self.log.error("incidents_log.write_failed", path=str(log.path), error=_reason(exc))
+            reason, now = _reason(exc), time.monotonic()
+            last = self._log_failure
+            if last is None or last[0] != reason or now - last[1] >= WRITE_FAILED_EVERY:
+                self.log.error("incidents_log.write_failed", path=str(log.path), error=reason)
+                self._log_failure = (reason, now)
+        else:
+            if self._log_failure is not None:
+                self.log.info("incidents_log.write_recovered", path=str(log.path))
+                self._log_failure = None
         self._done("incidents_log", ok, started)
 
     def _spool_present(self) -> bool:

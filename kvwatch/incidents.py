@@ -100,7 +100,21 @@ def render(rows: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> None:
     out.write(f"{len(rows)} incident(s)\n")
 
 
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: each non-printable character (C0 and C1 controls, DEL,
+    newlines, tabs, bidi overrides) written as ``repr`` writes it (``\\x1b``, ``\\n``).
+
+    Ids and node names come from other nodes' logs and engines' requests: raw, they could clear
+    the screen, retitle the terminal or forge rows.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _table(table: list[tuple[str, ...]], out: TextIO) -> None:
+    # Every text view writes through here: each cell made printable once.
+    table = [tuple(printable(c) for c in r) for r in table]
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
     for r in table:
         cells = [c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)]

@@ -484,9 +484,34 @@ def _write_all(fd: int, data: bytes) -> None:
 @dataclass
 class ReadResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
-    #: One line per skipped line: "PATH:LINE: why".
+    #: What was skipped, each a line ending in "skipped": "PATH:LINE: why" for the first
+    #: :data:`SHOWN_BAD_LINES` bad lines of a file, then one count for its others; or one
+    #: line for a file that holds no incident line at all (a journal given as a log).
     errors: list[str] = field(default_factory=list)
     skipped: int = 0
+    #: Files with a skipped line.
+    bad_files: int = 0
+
+
+#: Bad lines of one file named one by one; the rest are counted, so a wrong file cannot
+#: flood the terminal.
+SHOWN_BAD_LINES: Final = 3
+
+
+class _Version(Struct):
+    v: object = None
+
+
+def _why(line: bytes, exc: Exception) -> str:
+    if isinstance(exc, msgspec.ValidationError):
+        # A line of a newer format: say so rather than "Invalid enum value 2".
+        try:
+            version = msgspec.json.decode(line, type=_Version).v
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            version = LOG_VERSION
+        if version is not None and version != LOG_VERSION:
+            return f"unsupported format version {version!r}"[:200]
+    return " ".join(str(exc).split())[:200]
 
 
 def read(path: Path, result: ReadResult | None = None) -> ReadResult:
@@ -494,15 +519,32 @@ def read(path: Path, result: ReadResult | None = None) -> ReadResult:
     (hostile, torn, from another tool) is skipped and named; the rest are kept."""
     result = result or ReadResult()
     for file in rotated(path):
+        good, bad, first = 0, 0, ""
+        named: list[str] = []
         for number, line in _lines(file):
             try:
                 if len(line) > MAX_LINE_BYTES:
                     raise msgspec.ValidationError(f"longer than {MAX_LINE_BYTES} bytes")
                 result.rows.append(to_row(_decode(line)))
+                good += 1
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                result.skipped += 1
-                reason = " ".join(str(exc).split())[:200]
-                result.errors.append(f"{file}:{number}: not an incident line ({reason})")
+                bad += 1
+                reason = _why(line, exc)
+                first = first or f"line {number}: {reason}"
+                if len(named) < SHOWN_BAD_LINES:
+                    named.append(f"{file}:{number}: not an incident line ({reason}); skipped")
+        if not bad:
+            continue
+        result.skipped += bad
+        result.bad_files += 1
+        if not good:
+            result.errors.append(f"{file}: not an incidents log ({first}); {bad} line(s) skipped")
+            continue
+        result.errors.extend(named)
+        if bad > len(named):
+            result.errors.append(
+                f"{file}: {bad} bad line(s) in all, {bad - len(named)} more not shown; skipped"
+            )
     return result
 
 

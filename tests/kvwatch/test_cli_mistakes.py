@@ -80,6 +80,8 @@ MISTAKES: list[Mistake] = [
     Mistake((*D, "--poll-interval", "fast"), 2, "poll_interval: not a duration"),
     Mistake((*D, "--idle-grace", "-1"), 2, "idle_grace: not a duration"),
     Mistake((*D, "--poll-interval", "0.25"), 2, "poll_interval: '0.25' has no unit"),
+    Mistake((*D, "--poll-interval", "0s"), 2, "poll_interval: must be at least 10ms, got 0ms"),
+    Mistake((*D, "--poll-interval", "5ms"), 2, "poll_interval: must be at least 10ms, got 5ms"),
     Mistake((*D, "--allowed-user", "no-such-user-kvw"), 2, "no user 'no-such-user-kvw'"),
     # daemon: the config file
     Mistake((*D, "--config", "{t}/none.toml"), 2, "cannot read config {t}/none.toml"),

@@ -131,6 +131,7 @@ def test_log_flags_are_validated(flag: str, message: str) -> None:
         ("incidents_log_max_bytes = 100\n", "incidents_log_max_bytes must be at least 4096"),
         ("incidents_log_keep = -1\n", "incidents_log_keep at least 0"),
         ("incidents_log = 1\n", "incidents_log: expected a string"),
+        ('poll_interval = "0s"\n', "poll_interval: must be at least 10ms, got 0ms"),
     ],
 )
 def test_config_values_are_checked(tmp_path: Path, text: str, message: str) -> None:

@@ -323,3 +323,45 @@ sys.exit(0 if daemon.stop.wait(10) else 3)
         text=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_unwritable_incidents_log_refuses_to_start(tmp_path: Path) -> None:
+    result = kvwatch(
+        "daemon", "--spool-dir", str(tmp_path / "s"), "--journal", str(tmp_path / "j.db"),
+        "--listen", "127.0.0.1:0", "--no-nvml", "--incidents-log", "/proc/x/y",
+    )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "kvwatch daemon: incidents_log /proc/x/y: cannot create /proc/x: No such file or directory"
+    )
+    # A missing folder is created, as the journal's; the log appears with its first incident.
+    log = tmp_path / "new" / "incidents.jsonl"
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--incidents-log", str(log))
+    try:
+        daemon.wait_started()
+        assert log.parent.is_dir() and not log.exists()
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_failing_incidents_log_is_logged_once_then_its_recovery(tmp_path: Path) -> None:
+    log = tmp_path / "incidents.jsonl"
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--incidents-log", str(log))
+    try:
+        daemon.wait_started()
+        log.mkdir()  # the log's path taken by a folder: every append fails (EISDIR)
+        daemon.spool.mkdir(exist_ok=True)
+        p = Producer(daemon.spool, "sglang-decode-r0-1")
+        p.append(p.hello(), p.event("req-1"))
+        wait_until(lambda: collector(daemon, "incidents_log") == 0.0)
+        time.sleep(1.0)  # some 20 polls at 0.05s, each failing
+        failed = [e for e in daemon.events() if e.get("event") == "incidents_log.write_failed"]
+        assert len(failed) == 1 and failed[0]["level"] == "error", failed
+        log.rmdir()
+        wait_until(lambda: collector(daemon, "incidents_log") == 1.0)
+        events = [e.get("event") for e in daemon.events()]
+        assert events.count("incidents_log.write_recovered") == 1
+        assert events.count("incidents_log.write_failed") == 1
+        assert b'"request_id":"req-1"' in log.read_bytes()
+    finally:
+        assert daemon.stop() == 0

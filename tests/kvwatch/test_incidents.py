@@ -17,13 +17,16 @@ from tests.kvwatch.daemonproc import run_cli
 from tests.kvwatch.spoolgen import T0, Producer
 
 
-def _node(tmp_path: Path, node: str, frames: list[tuple[str, dict[str, Any]]]) -> Path:
+def _node(
+    tmp_path: Path, node: str, frames: list[tuple[str, dict[str, Any]]], name: str | None = None
+) -> Path:
     """A node's journal holding ``frames`` (request id, event options) from a decode engine."""
-    spool = tmp_path / f"spool-{node}"
+    name = name or node
+    spool = tmp_path / f"spool-{name}"
     spool.mkdir()
-    path = tmp_path / f"{node}.db"
+    path = tmp_path / f"{name}.db"
     journal = Journal(path)
-    p = Producer(spool, f"sglang-decode-r0-1-{node}", node=node)
+    p = Producer(spool, f"sglang-decode-r0-1-{name}", node=node)
     p.append(p.hello(), *(p.event(request, **options) for request, options in frames))
     SpoolReader(spool, journal, journal.load(), idle_grace=3600.0).poll()
     journal.close()
@@ -162,3 +165,29 @@ def _iso(ts: float) -> str:
     from kvwatch.incidents_log import iso
 
     return iso(ts)
+
+
+def test_text_views_escape_control_characters(tmp_path: Path) -> None:
+    """Ids and node names from another node's log reach the terminal escaped, once, in both
+    text views; JSON keeps them as they are."""
+    node = "a\x1b]0;pwned\x07"
+    path = _node(
+        tmp_path,
+        node,
+        [("h-ctrl\x1b[31m", {"sources": [_src("x\n\x1b[2J", 3, "i\tj\x9b")]})],
+        name="evil",
+    )
+    for extra in ((), ("--exposed",)):
+        result = run_cli("incidents", *extra, "--journal", str(path))
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+        assert not any(c in out for c in "\x1b\x07\x9b\t\r"), repr(out)
+        assert "a\\x1b]0;pwned\\x07" in out and "h-ctrl\\x1b[31m" in out
+        # One row per incident or request: the source's newline did not break the table.
+        rows = [line for line in out.splitlines() if "h-ctrl" in line or "\\n\\x1b[2J" in line]
+        assert rows and all("\\n" not in line or "x\\n\\x1b[2J" in line for line in rows)
+    exposed = run_cli("incidents", "--exposed", "--journal", str(path)).stdout
+    assert "x\\n\\x1b[2J (3)" in exposed and "i\\tj\\x9b" in exposed
+    assert len([line for line in exposed.splitlines() if line.startswith("a\\x1b")]) == 1
+    data = json.loads(run_cli("incidents", "--json", "--journal", str(path)).stdout)
+    assert data[0]["node"] == node and data[0]["request_id"] == "h-ctrl\x1b[31m"

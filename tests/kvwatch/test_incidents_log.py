@@ -147,12 +147,28 @@ def test_hostile_lines_are_named_counted_and_skipped(
     assert [r["request_id"] for r in result.rows] == ["req-0", "req-1"]
     assert result.skipped == 6
     assert all(e.startswith(f"{path}:") and "\n" not in e for e in result.errors)
+    assert "unsupported format version 2" in result.errors[1]
     assert "pages_total" in result.errors[2]
+    # The first three named, the others counted: a wrong file cannot flood the terminal.
+    assert len(result.errors) == 4 and "6 bad line(s) in all, 3 more not shown" in result.errors[3]
     cli = run_cli("incidents", "--incidents-log", str(path), "--json")
     assert cli.returncode == 1
     assert [r["request_id"] for r in json.loads(cli.stdout)] == ["req-0", "req-1"]
     assert "Traceback" not in cli.stderr
-    assert "6 line(s) skipped" in cli.stderr and len(cli.stderr.splitlines()) == 7
+    assert "6 bad line(s) in all" in cli.stderr and len(cli.stderr.splitlines()) == 4
+
+
+def test_a_journal_given_as_a_log_is_one_line(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    """A SQLite file (or any file without one incident line) is named once, not line by line."""
+    _events(spool, journal, 30)
+    path = tmp_path / "journal.db"
+    cli = run_cli("incidents", "--incidents-log", str(path))
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr
+    assert len(cli.stderr.splitlines()) == 1, cli.stderr
+    assert f"{path}: not an incidents log (line 1: " in cli.stderr
+    assert "line(s) skipped" in cli.stderr
 
 
 def test_the_daemon_writes_each_incident_once_across_kill9(tmp_path: Path) -> None:
