@@ -55,6 +55,9 @@ DRAIN_ROUNDS: Final = 10
 #: Incidents whose lines wait in memory for the next drain at most: past that, the drain
 #: reads them back from the journal (bounded memory, whatever the spool holds).
 MAX_PENDING: Final = 65536
+#: Held lines are written at once from this many on (when they follow the log's last line):
+#: memory stays flat over a long catch-up.
+WRITE_AT: Final = 4096
 #: The longest line a reader accepts (a full event's line is well under this).
 MAX_LINE_BYTES: Final = 1 << 20
 
@@ -233,6 +236,7 @@ class IncidentsLog:
         #: Lines of committed incidents not written yet: (first id, count, oldest ts, lines).
         self._pending: list[tuple[int, int, float, bytes]] = []
         self._pending_count = 0
+        self._marked = -1  # the mark last stored in the journal
 
     def drain(self, journal: Journal) -> int:
         """Write the incidents committed since the last call; returns how many.
@@ -252,6 +256,7 @@ class IncidentsLog:
         if newest < self.written:
             self.written = newest
             journal.set_meta(HIGH_WATER_KEY, str(newest))
+            self._marked = newest
         # The table up to the first incident handed over; then those, if the table reached it.
         below = pending[0][0] if pending else newest + 1
         total = self._drain_table(journal, journal_id, below)
@@ -262,7 +267,9 @@ class IncidentsLog:
                     break  # not what the table holds next (never seen): it has the rest
                 self._append(first, count, lines)
                 total += count
+        if self.written != self._marked:  # lines written here or at the commits since
             journal.set_meta(HIGH_WATER_KEY, str(self.written))
+            self._marked = self.written
         return total
 
     # -- the journal's commits (CommitListener) --------------------------------------------
@@ -282,6 +289,20 @@ class IncidentsLog:
             return
         self._pending.append((first, count, oldest, lines))
         self._pending_count += count
+        if self._pending_count >= WRITE_AT and self.written == self._pending[0][0] - 1:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        """Write the held lines now (they follow the log's last line): a long poll's lines do not
+        wait in memory for its drain. The mark follows at the drain; a crash before it is
+        repaired from the log's last line, as after any write."""
+        pending, self._pending, self._pending_count = self._pending, [], 0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for first, count, _, lines in pending:
+                self._append(first, count, lines)
+        except Exception:  # never raised into the commit: the drain recovers, from the journal
+            self.written = -1
 
     def pruned(self, cutoff: float) -> None:
         """A pruned incident's line must not be written from memory (its id may come again)."""
@@ -300,6 +321,7 @@ class IncidentsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._write([(incident, line.encode() + b"\n") for incident, line in rows])
             journal.set_meta(HIGH_WATER_KEY, str(self.written))
+            self._marked = self.written
             total += len(rows)
             if len(rows) < DRAIN_BATCH:
                 break
@@ -446,6 +468,7 @@ class IncidentsLog:
         newest = int(journal.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
         self.written = min(written, newest)
         journal.set_meta(HIGH_WATER_KEY, str(self.written))
+        self._marked = self.written
         self._journal_id = journal_id
         journal.listener = self  # from now on its commits hand their incidents over
 
