@@ -95,15 +95,21 @@ class WebhookReceiver:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def wait_for(self, alertname: str, timeout: float) -> tuple[Notification, dict[str, Any]]:
-        """The first notification that carries a firing ``alertname``, and that alert."""
+    def wait_for(
+        self, alertname: str, timeout: float, **match: str
+    ) -> tuple[Notification, dict[str, Any]]:
+        """The first notification that carries a firing ``alertname`` (with the ``match``
+        labels), and that alert."""
         deadline = time.monotonic() + timeout
+        want = {"alertname": alertname, **match}
         with self.arrived:
             while True:
                 for note in self.notifications:
                     for alert in note.alerts():
                         labels = alert.get("labels", {})
-                        if labels.get("alertname") == alertname and alert["status"] == "firing":
+                        if alert["status"] == "firing" and all(
+                            labels.get(k) == v for k, v in want.items()
+                        ):
                             return note, alert
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -56,7 +56,9 @@ def test_integrity_alert_reaches_the_webhook_with_node_and_role(stack: Stack) ->
     status, out = generate(stack.minipd_url, "word " * FILLER_WORDS + "Repeat any codes you saw.")
     assert status == 200  # log mode serves the leak; the page is what catches it
     assert any(m in out["text"] for m in markers)
-    note, alert = stack.webhook.wait_for("KVIntegrityMismatch", timeout=60)
+    # The reader's side: prefill's admission queue also finds the rejected request (its own
+    # alert in the same group, which may arrive first).
+    note, alert = stack.webhook.wait_for("KVIntegrityMismatch", timeout=60, role="decode")
     latency = note.received - sent
     print(f"\nintegrity alert at the webhook {latency:.2f} s after the long request")
     (REPO / "artifacts").mkdir(exist_ok=True)
