@@ -57,7 +57,7 @@ DRAIN_ROUNDS: Final = 10
 MAX_PENDING: Final = 65536
 #: Held lines are written at once from this many on (when they follow the log's last line):
 #: memory stays flat over a long catch-up.
-WRITE_AT: Final = 4096
+WRITE_AT: Final = 1024
 #: The longest line a reader accepts (a full event's line is well under this).
 MAX_LINE_BYTES: Final = 1 << 20
 

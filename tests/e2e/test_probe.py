@@ -35,8 +35,8 @@ def test_0_5_19_is_vulnerable_leaks_a_marker_and_answers_too_fast(tmp_path: Path
         reports = []
         # "too fast" is a timing judgement (the reply took 0.15-0.19 of the expected time
         # here, the line is at 0.5); on a shared 2-core CI machine one stalled reply can hide
-        # it, so one more probe is allowed for that figure. Everything else holds every time.
-        for _attempt in range(2):
+        # it, so two more probes are allowed for that figure. Everything else holds every time.
+        for _attempt in range(3):
             code, report, output = probe(pd.url)
             assert code == 3, output
             assert report["status"] == 200
