@@ -10,6 +10,7 @@ token with a last-bit difference, as a GPU may.
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +253,12 @@ def test_records_land_in_the_spool(bed: dict[str, Any]) -> None:
     for node in (p.prefill, p.decode):
         node.worker.shutdown()
         node.scheduler.connector.shutdown()
+    # Shut down, the engine holds no segment open: the daemon can finish and retire them.
+    segments = sorted((bed["tmp_path"] / "spool").glob("*.kvs"))
+    assert segments
+    for segment in segments:
+        with segment.open("rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a writer holds it
     contents = read_spool(bed["tmp_path"] / "spool")
     assert not sum(contents.errors.values())
     assert {(e["request_id"], e["detector"]) for e in contents.events()} == {("bad", "checksum")}
