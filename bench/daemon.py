@@ -156,13 +156,16 @@ def link_copy(source: Path, target: Path) -> None:
         os.link(path, target / path.name)
 
 
-def catch_up(spool: Path, journal: Path, total: int) -> tuple[float, float, Daemon, list[float]]:
-    """(wall s, CPU s, the daemon, RSS samples) for one catch-up of ``spool``."""
+def catch_up(
+    spool: Path, journal: Path, total: int, incidents_log: str | None = None
+) -> tuple[float, float, Daemon, list[float]]:
+    """(wall s, CPU s, the daemon, RSS samples) for one catch-up of ``spool``. The incidents log
+    is on, as by default (one per journal unless ``incidents_log`` names it, or is "off"), with
+    room for every line."""
     config = Config(
         spool_dir=str(spool), journal=str(journal), nvml=False, idle_grace=0.0,
         listen="127.0.0.1:0",
-        # The incidents log on, as by default (one per round), with room for every line.
-        incidents_log=str(journal.with_suffix(".jsonl")),
+        incidents_log=incidents_log or str(journal.with_suffix(".jsonl")),
         incidents_log_max_bytes=1 << 40,
     )  # fmt: skip
     daemon = Daemon(config)

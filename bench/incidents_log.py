@@ -11,47 +11,17 @@ whole cost of writing it. Prints the best CPU seconds of each and their ratio.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import structlog
 
-from bench.daemon import link_copy, write_backlog
-from kvwatch.config import Config
-from kvwatch.daemon import Daemon
-
-
-def catch_up(spool: Path, journal: Path, log: str) -> float:
-    """CPU seconds to commit ``spool`` (and write its incidents, unless ``log`` is "off")."""
-    config = Config(
-        spool_dir=str(spool), journal=str(journal), nvml=False, idle_grace=0.0,
-        listen="127.0.0.1:0", incidents_log=log,
-    )  # fmt: skip
-    daemon = Daemon(config)
-    try:
-        gc.collect()
-        started = time.process_time()
-        while daemon.run_once():
-            pass
-        daemon.run_once()
-        if daemon.incidents_log:
-            while daemon.incidents_log.drain(daemon.journal):
-                pass
-        cpu = time.process_time() - started
-        if daemon.incidents_log:
-            lines = sum(len(p.read_bytes().splitlines()) for p in Path(log).parent.iterdir())
-            incidents = daemon.journal.scalar("SELECT count(*) FROM incidents")
-            assert lines == incidents, (lines, incidents)
-        return cpu
-    finally:
-        daemon.close()
+from bench.daemon import catch_up, link_copy, write_backlog
 
 
 def main() -> None:
@@ -77,7 +47,9 @@ def main() -> None:
                 link_copy(source, spool)
                 (disk / f"log-{run}").mkdir()
                 log = "off" if mode == "off" else str(disk / f"log-{run}" / "incidents.jsonl")
-                cpu[mode].append(catch_up(spool, disk / f"journal-{run}.db", log))
+                _, seconds, daemon, _ = catch_up(spool, disk / f"journal-{run}.db", total, log)
+                daemon.close()
+                cpu[mode].append(seconds)
                 shutil.rmtree(disk / f"log-{run}")
         off, on = min(cpu["off"]), min(cpu["on"])
         print(
