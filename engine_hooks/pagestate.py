@@ -63,7 +63,9 @@ class PageState(Protocol):
     def concat(self, parts: Sequence[Ints]) -> Ints: ...
     def bump(self, pages: Ints, owner: int = UNKNOWN, now: float = 0.0) -> None: ...
     def generations(self, pages: Ints) -> Ints: ...
-    def own_writes(self, pages: Ints, now: float | None = None) -> None: ...
+    def own_writes(
+        self, pages: Ints, now: float | None = None, owner: int | None = None
+    ) -> None: ...
     def claim(self, pages: Ints, owner: int, now: float) -> None: ...
     def sources(self, pages: Ints) -> tuple[list[int], list[float]]: ...
     def scrub(self, pages: Ints) -> None: ...
@@ -148,10 +150,14 @@ class DevicePages:
     def generations(self, pages: Ints) -> torch.Tensor:
         return self.generation.index_select(0, torch.as_tensor(pages))
 
-    def own_writes(self, pages: Ints, now: float | None = None) -> None:
+    def own_writes(self, pages: Ints, now: float | None = None, owner: int | None = None) -> None:
+        """The pages are written for their current generation (by ``owner``, where given: the
+        claim in the same pass, as a decode step's own pages need)."""
         index = torch.as_tensor(pages)
         self.written[index] = self.generation.index_select(0, index)
         self.holders[index, CURRENT, AT_MS] = _ms(time.time() if now is None else now)
+        if owner is not None:
+            self.holders[index, CURRENT, KEY] = owner
 
     def claim(self, pages: Ints, owner: int, now: float) -> None:
         """The pages' current generation belongs to ``owner`` (a request key)."""
@@ -321,17 +327,21 @@ class HostPages:
     def generations(self, pages: Ints) -> list[int]:
         return [self.generation[p] for p in self._ints(pages)]
 
-    def own_writes(self, pages: Ints, now: float | None = None) -> None:
+    def own_writes(self, pages: Ints, now: float | None = None, owner: int | None = None) -> None:
         at = _ms(time.time() if now is None else now)
         if len(pages) >= _BATCH_PAGES:
             ids = np.asarray(self._ints(pages), dtype=np.int64)
             self.written_np[ids] = self.generation_np[ids]
             self.holders_np[ids, CURRENT, AT_MS] = at
+            if owner is not None:
+                self.holders_np[ids, CURRENT, KEY] = owner
             return
         h, stride = self.holders, _SLOTS * _FIELDS
         for p in self._ints(pages):
             self.written[p] = self.generation[p]
             h[p * stride + CURRENT * _FIELDS + AT_MS] = at
+            if owner is not None:
+                h[p * stride + CURRENT * _FIELDS + KEY] = owner
 
     def claim(self, pages: Ints, owner: int, now: float) -> None:
         if len(pages) >= _BATCH_PAGES:

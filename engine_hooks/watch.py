@@ -470,9 +470,7 @@ class KVWatch:
     def _own(self, index: Ints, request_id: str, instance: str = "") -> None:
         """``request_id`` wrote the pages ``index`` itself, now."""
         assert self.state is not None
-        now = time.time()
-        self.state.claim(index, self.requests.key(request_id, instance), now)
-        self.state.own_writes(index, now)
+        self.state.own_writes(index, time.time(), self.requests.key(request_id, instance))
 
     @_hook("landed", lambda: None)
     def landed(self, ticket: Ticket) -> None:
