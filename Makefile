@@ -81,7 +81,7 @@ mutation-vllm:
 # the tiny model is generated at setup. Venv and model cached under build/.
 vllm-pd-test:
 	PYTHON=$(PYTHON) bash tests/vllm_pd/setup_env.sh
-	timeout -k 60 900 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider \
+	timeout -k 60 1800 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider \
 	    --basetemp=build/vllm-pd-tmp tests/vllm_pd
 
 test: tools lint typecheck unit sglang-test mutation-sglang vllm-test mutation-vllm vllm-pd-test

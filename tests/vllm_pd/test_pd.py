@@ -136,6 +136,8 @@ def test_kv_corrupted_after_the_seal_is_caught_in_log_mode(bed: Bed) -> None:
 
 
 def test_kv_corrupted_after_the_seal_fails_the_request_in_enforce_mode(bed: Bed) -> None:
+    log = bed.decode["enforce"].log
+    earlier = len(log.read_text(errors="replace").splitlines())  # connect() may have failed one
     status, new = corrupted_findings(bed, "enforce", 80)
     assert status != 200  # kv_load_failure_policy "fail": an error, not the corrupted output
     assert [(e["detector"], e["kind"], e["action"]) for e in new] == [
@@ -144,7 +146,7 @@ def test_kv_corrupted_after_the_seal_fails_the_request_in_enforce_mode(bed: Bed)
     # Failed by vLLM's own scheduler, through kv_load_failure_policy, for that request.
     failed = [
         line
-        for line in bed.decode["enforce"].log.read_text(errors="replace").splitlines()
+        for line in log.read_text(errors="replace").splitlines()[earlier:]
         if "due to KV load failure (failure_policy=fail" in line
     ]
     assert len(failed) == 1 and new[0]["request_id"] in failed[0], failed
