@@ -155,10 +155,7 @@ def run_once(
         step_cpu_seconds=delta(before, after, "decode", "step_cpu_seconds"),
         step_hook_cpu_seconds=delta(before, after, "decode", "step_hook_cpu_seconds"),
         decode_tokens=int(delta(before, after, "decode", "tokens")),
-        cpu_seconds=sum(
-            delta(before, after, role, "process_cpu_seconds")
-            for role in ("router", "prefill", "decode")
-        ),
+        cpu_seconds=served_cpu(before, after),
         hook_seconds=sum(
             float(after[role]["hook_seconds"].get(hook, 0.0))
             - float(before[role]["hook_seconds"].get(hook, 0.0))
@@ -170,6 +167,12 @@ def run_once(
 
 def delta(before: dict[str, Any], after: dict[str, Any], role: str, name: str) -> float:
     return float(after[role][name]) - float(before[role][name])
+
+
+def served_cpu(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """CPU seconds of router, prefill and decode between two ``/stats`` replies."""
+    roles = ("router", "prefill", "decode")
+    return sum(delta(before, after, role, "process_cpu_seconds") for role in roles)
 
 
 def request_hooks(prompt: int, page_size: int, requests: int, scrub: str = "off") -> float:
@@ -464,13 +467,7 @@ def side_by_side_round(
             last = now
     if failed:
         raise SystemExit(f"side by side: {len(failed)} requests failed")
-    cpu = {
-        m: sum(
-            delta(first[m], last[m], role, "process_cpu_seconds")
-            for role in ("router", "prefill", "decode")
-        )
-        for m in SIDE_MODES
-    }
+    cpu = {m: served_cpu(first[m], last[m]) for m in SIDE_MODES}
     scrubbing = {
         m: sum(
             float(last[m][role]["hook_seconds"].get(hook, 0.0))
@@ -501,8 +498,9 @@ def scrub_side_by_side(args: argparse.Namespace, items: list[tuple[str, int]]) -
         rounds.append(made["on_reserve"] / made["off"])
         cpu_ratios.append((cpu["on_reserve"] / made["on_reserve"]) / (cpu["off"] / made["off"]))
         # The scrub's own time: what the hooks that scrub take per generated token beyond the
-        # same hooks with scrub off, as a share of off's CPU per generated token (wall time in
-        # the hooks, so an upper bound). A CPU-bound engine loses at most this share of tokens/s.
+        # same hooks with scrub off, as a share of off's CPU per generated token. It is wall time
+        # in the hooks: on a quiet machine an upper bound on the scrub's work (a CPU-bound engine
+        # loses at most that share of tokens/s); waits for a core inflate either side under load.
         extra = scrubbing["on_reserve"] / made["on_reserve"] - scrubbing["off"] / made["off"]
         shares.append(extra / (cpu["off"] / made["off"]))
         print(
