@@ -72,6 +72,7 @@ def show_page(page: Page) -> None:
     each = sorted(
         {
             f"role={a['labels'].get('role', '-')}"
+            + (f" engine={a['labels']['engine']}" if "engine" in a["labels"] else "")
             + (
                 f" {a['labels']['detector']}/{a['labels'].get('kind')}"
                 if "detector" in a["labels"]

@@ -245,6 +245,7 @@ def _ack(args: argparse.Namespace) -> int:
                 f"{path}: journal schema {reader.schema}; start the daemon once to migrate it",
             )
         grouped = incidents.group(reader.incidents())
+        upto = int(reader.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
     except sqlite3.Error as exc:
         return fail("ack", f"cannot read the journal {path}: {exc}")
     finally:
@@ -265,7 +266,7 @@ def _ack(args: argparse.Namespace) -> int:
         by = args.by or getpass.getuser()
     except (KeyError, OSError):
         by = str(os.geteuid())
-    ack = AckRow(now, by[:256], args.incident, since, until)
+    ack = AckRow(now, by[:256], upto, args.incident, since, until)
     try:
         acknowledge(path, ack)
     except sqlite3.Error as exc:

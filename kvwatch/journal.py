@@ -85,11 +85,12 @@ class AckRow(NamedTuple):
     """One row of ``acks``: an operator acknowledged incidents (``kvwatch ack``). ``incident``:
     one incident, by the id of any of its findings; else every incident whose first finding
     falls in [``since``, ``until``) (either end open when null). An acknowledgement covers
-    what the journal held when it was made (``ts``): a finding after it raises the alarm again.
-    """
+    what the journal held when it was made (``ts``; findings up to id ``upto``): a finding
+    stored after it raises the alarm again."""
 
     ts: float
     by: str
+    upto: int
     incident: int | None = None
     since: float | None = None
     until: float | None = None
@@ -245,7 +246,7 @@ _MIGRATE_2: Final = (
 #: Schema 3 -> 4: acknowledgements (``acks``, created with the schema).
 _MIGRATE_3: Final = ()
 _MIGRATIONS: Final = {1: _MIGRATE_1, 2: _MIGRATE_2, 3: _MIGRATE_3}
-_INSERT_ACK: Final = _insert("acks", AckRow) + " VALUES (?, ?, ?, ?, ?)"
+_INSERT_ACK: Final = _insert("acks", AckRow) + " VALUES (?, ?, ?, ?, ?, ?)"
 _SELECT_ACKS: Final = _select("acks", AckRow) + " ORDER BY id"
 _insert_records: Final = _Insert("INSERT INTO records", 4)
 _insert_incidents: Final = _Insert(
@@ -518,6 +519,9 @@ class Journal:
             db.execute("BEGIN IMMEDIATE")
             for table in ("incidents", "exposures", "rejects", "gaps", "acks"):
                 deleted += db.execute(f"DELETE FROM {table} WHERE ts < ?", (cutoff,)).rowcount
+            if db.execute("SELECT 1 FROM incidents LIMIT 1").fetchone() is None:
+                # SQLite hands out finding ids from 1 again: no acknowledgement may cover them.
+                deleted += db.execute("DELETE FROM acks").rowcount
             # Rows are appended in commit order, so their rowids follow time (closely enough: a
             # skewed producer clock only delays a deletion): delete below the first row inside
             # the retention. A plain "WHERE ts < ?" scans the whole table (no index on ts, which

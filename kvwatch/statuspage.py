@@ -105,8 +105,12 @@ class Alarm:
 
 def covers(ack: AckRow, incident: dict[str, Any]) -> bool:
     """Whether ``ack`` acknowledges ``incident`` (:class:`kvwatch.journal.AckRow`)."""
-    if incident["last_time"] > ack.ts:
-        return False  # a finding after the acknowledgement: raised again
+    ids = [f.get("id") for f in incident["findings"]]
+    if None in ids or not ids:  # not from this journal (a gap, a log line): by time
+        if incident["last_time"] > ack.ts:
+            return False
+    elif max(ids) > ack.upto:
+        return False  # a finding stored after the acknowledgement: raised again
     if ack.incident is not None:
         return any(f.get("id") == ack.incident for f in incident["findings"])
     return (ack.since is None or incident["first_time"] >= ack.since) and (

@@ -125,9 +125,10 @@ def test_cli_merges_journals_and_logs_once_and_filters_by_time(
         "incidents", "--journal", str(a), "--journal", str(b), "--json",
         "--since", _iso(T0 + 2), "--until", _iso(T0 + 3.5),
     )  # fmt: skip
-    assert [
-        (r["node"], [f["seq"] for f in r["findings"]]) for r in json.loads(window.stdout)
-    ] == [("node-a", [2, 3]), ("node-b", [2])]
+    assert [(r["node"], [f["seq"] for f in r["findings"]]) for r in json.loads(window.stdout)] == [
+        ("node-a", [2, 3]),
+        ("node-b", [2]),
+    ]
 
 
 def test_cli_exposed_view_text_and_json(fleet: tuple[Path, Path]) -> None:

@@ -339,7 +339,7 @@ def test_a_schema_2_journal_reads_and_migrates(tmp_path: Path) -> None:
     # Migrated in place to schema 4: acknowledgements can be stored and read back.
     from kvwatch.journal import AckRow, acknowledge
 
-    acknowledge(path, AckRow(2.0, "alice", incident=7))
+    acknowledge(path, AckRow(2.0, "alice", 7, incident=7))
     readonly = Journal(path, readonly=True)
-    assert readonly.acks() == [AckRow(2.0, "alice", 7, None, None)]
+    assert readonly.acks() == [AckRow(2.0, "alice", 7, 7, None, None)]
     readonly.close()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.state import Producer, State
 from kvwatch import incidents as incident_model
+from kvwatch.state import Producer, State
 from kvwatch.statuspage import Alarm, AlarmSettings, render
 from tests.kvwatch.daemonproc import REPO, DaemonProcess
 from tests.kvwatch.writer import spool_module
