@@ -226,10 +226,9 @@ def render(incidents: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> No
         )
     _table(table, out)
     total = counts(incidents)
-    out.write(
-        f"{total['affected']} incident(s) (affected requests), "
-        f"{total['exposed']} exposed request(s), "
-        f"from {sum(len(i['findings']) for i in incidents)} finding(s)\n"
+    out.write(  # an incident is an affected request: its count last, as before
+        f"{sum(len(i['findings']) for i in incidents)} finding(s), "
+        f"{total['exposed']} exposed request(s), {total['affected']} incident(s)\n"
     )
 
 
