@@ -481,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="this node's verdict from the running daemon, in the terminal",
         description="The status page's summary: the headline (the worst of integrity, unsafe "
         "band, coverage and freshness) and one line per check. Exit 0 ok, 3 warning, 4 alarm, "
-        "1 when no daemon answers.",
+        "1 when no daemon answers. The integrity alarm counts affected requests (incidents) "
+        "until each is acknowledged (kvwatch ack) or its last finding is older than the "
+        "daemon's alarm_window (unless alarm_until_ack is set).",
         examples=["kvwatch status", "kvwatch status --url http://10.0.0.7:29321 --json"],
     )
     status.add_argument(
