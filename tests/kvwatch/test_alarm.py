@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,9 +81,12 @@ def test_ack_returns_status_to_0_and_a_later_finding_raises_it_again(tmp_path: P
         [ack] = journal.acks()
         journal.close()
         assert ack.by == "alice" and ack.incident is None and time.time() - ack.ts < 60
-        # The status page marks it acknowledged.
-        page = run_cli("status", "--url", url).stdout
-        assert "1 acknowledged" in page
+        # kvwatch status and the status page mark it acknowledged.
+        assert "1 acknowledged" in run_cli("status", "--url", url).stdout
+        with urllib.request.urlopen(url + "/", timeout=10) as reply:
+            page = reply.read().decode()
+        assert '<tr class="acked">' in page and "by alice at " in page
+        assert '<span id="acknowledged">1</span>' in page
         # A new leaking request: the alarm again; acknowledged by its id (the default user).
         producer.append(producer.event("leaky-2"))
         _until(lambda: _status(url)[0] == 4)
@@ -120,3 +124,32 @@ def test_the_window_ends_the_alarm_and_until_ack_keeps_it(tmp_path: Path) -> Non
         assert _status(url)[0] == 0
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_bad_alarm_setting_is_one_line(tmp_path: Path) -> None:
+    for setting, message in (
+        ('alarm_window = "0s"', "alarm_window: must be 1s to 366d"),
+        ("alarm_until_ack = 1", "alarm_until_ack: expected true or false"),
+    ):
+        config = tmp_path / "kvwatch.toml"
+        config.write_text(setting + "\n")
+        done = run_cli(
+            "daemon", "--config", str(config), "--spool-dir", str(tmp_path / "s"),
+            "--journal", str(tmp_path / "j.db"), "--no-nvml",
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr
+        assert not (tmp_path / "j.db").exists()
+
+
+def test_ack_mistakes_are_one_line(tmp_path: Path) -> None:
+    for args, message in (
+        ((), "give one incident ID, a time range (--since/--until) or --all"),
+        (("1", "--all"), "give one incident ID"),
+        (("--all", "--journal", str(tmp_path / "none.db")), "no journal at"),
+        (("--since", "yesterday", "--journal", str(tmp_path / "none.db")), "expected a duration"),
+    ):
+        done = run_cli("ack", *args)
+        assert done.returncode in (1, 2), done.stderr
+        assert message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert not (tmp_path / "none.db").exists()
