@@ -770,6 +770,7 @@ class SpoolReader:
         self._to_remove = []
         self._events.clear()
         self._incidents_seen.clear()
+        self._exposed_seen.clear()  # what it counted may not have been committed
         self.state.replace_with(self.journal.load())
 
 

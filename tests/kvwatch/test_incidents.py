@@ -249,3 +249,24 @@ def test_one_incident_per_affected_request_instance() -> None:
     view = incidents.exposure(grouped, since=None, until=None)
     assert view["counts"]["incidents"] == 4 and view["counts"]["exposed"] == 2
     assert view["counts"]["readers"] == 2 and view["counts"]["sources"] == 2
+
+
+def test_the_exposed_counter_counts_each_source_once_per_incident(
+    spool: Path, reader: SpoolReader
+) -> None:
+    """``kvwatch_exposed_requests_total`` (what KVIntegrityMismatch's description states) counts
+    as ``kvwatch incidents`` does: three findings of one request naming alice and bob count them
+    once; another request exposed to alice counts her again (another incident)."""
+    alice, bob = _src("alice", 3, "a#1"), _src("bob", 1)
+    p = Producer(spool)
+    p.append(
+        p.hello(),
+        p.event("r", sources=[alice, bob]),
+        p.event("r", detector="checksum", kind="digest", sources=[alice], other_sources=2),
+        p.event("r", detector="page_tag", kind="stale_tag", sources=[bob], other_sources=1),
+        p.event("other", sources=[alice]),
+    )
+    reader.poll()
+    assert reader.state.daemon[("exposed_requests", ("decode",))] == 2 + 2 + 1
+    grouped = incidents.group(reader.journal.incidents())
+    assert [i["exposed"] for i in grouped] == [4, 1]
