@@ -4,11 +4,13 @@ Paths: ``/metrics`` (Prometheus), ``/`` (this page; JSON with ``Accept: applicat
 ``kvwatch status`` reads), ``/-/healthy`` (the process serves), ``/-/ready`` (the journal is
 open and the first poll committed); anything else is 404.
 
-The page: a headline that is the worst of four checks (integrity; the unsafe band; coverage: a
-live producer, a detector that verifies, the spool present; freshness of the last record), each
-with the line an on-call needs; pool against context for each engine role with the unsafe band
-drawn; whose KV the latest incident's reader received (its sources); the latest incidents from
-the journal. Server-rendered HTML with inline SVG: no script,
+The page: a headline that is the worst of four checks (integrity: the journal's unacknowledged
+incidents in the alarm's window, as affected and exposed requests, and lost records; the unsafe
+band, an alarm as its rule is critical, stale once no engine reports; coverage: a live producer,
+a detector that verifies, the spool present; freshness of the last record), each with the line
+an on-call needs; pool against context for each engine role with the unsafe band drawn; whose KV
+the latest incident's reader received (its sources); the latest incidents (affected requests)
+from the journal, acknowledged ones marked. Server-rendered HTML with inline SVG: no script,
 no external asset, refreshed by the browser every few seconds.
 """
 
