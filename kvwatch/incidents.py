@@ -162,11 +162,15 @@ def _add_finding(incident: dict[str, Any], row: dict[str, Any]) -> None:
     if row["detector"] not in incident["detectors"]:
         incident["detectors"].append(row["detector"])
     incident["pages_total"] = max(incident["pages_total"], row["pages_total"])
+    named = bool(incident["sources"] or incident["other_sources"])
+    # The reader names the incident: the side whose pages held other requests' KV, else the
+    # decode side (which reads what prefill sent), else the first finding's.
+    if not named and (
+        row["sources"] or row["other_sources"] or (row["role"] == "decode" != incident["role"])
+    ):
+        for name in ("instance", "role", "engine", "engine_version", "model", "producer"):
+            incident[name] = row[name]
     if row["sources"] or row["other_sources"]:
-        # The reader: the side whose pages held other requests' KV names the incident.
-        if not incident["sources"] and not incident["other_sources"]:
-            for name in ("instance", "role", "engine", "engine_version", "model", "producer"):
-                incident[name] = row[name]
         for source in row["sources"]:
             key = _source_key(source)
             kept = incident["sources"].get(key)
