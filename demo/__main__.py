@@ -59,26 +59,36 @@ _shown: set[str] = set()
 
 
 def show_page(page: Page) -> None:
-    """Print each firing alert once (Alertmanager resends a group as it grows)."""
-    for alert in page.alerts():
-        if alert.get("status") != "firing" or alert.get("fingerprint") in _shown:
-            continue
-        _shown.add(str(alert.get("fingerprint")))
-        labels = alert.get("labels", {})
-        print(
-            f"\n  >>> PAGE  {labels.get('alertname')} [{labels.get('severity')}] "
-            f"node={labels.get('node')} role={labels.get('role', '-')}"
+    """Print each alert group's page once, as a pager shows it: Alertmanager sends a group
+    (``group_by: [alertname, node]``) as one notification and resends it as the group grows; the
+    pager keeps one incident per group key."""
+    firing = [a for a in page.alerts() if a.get("status") == "firing"]
+    key = str(page.payload.get("groupKey", ""))
+    if not firing or key in _shown:
+        return
+    _shown.add(key)
+    labels = dict(page.payload.get("commonLabels", {}))
+    first = firing[0]
+    each = sorted(
+        {
+            f"role={a['labels'].get('role', '-')}"
+            + (f" engine={a['labels']['engine']}" if "engine" in a["labels"] else "")
             + (
-                f" detector={labels['detector']} kind={labels.get('kind')}"
-                if "detector" in labels
+                f" {a['labels']['detector']}/{a['labels'].get('kind')}"
+                if "detector" in a["labels"]
                 else ""
             )
-            + "\n"
-            f"      {alert.get('annotations', {}).get('summary', '')}",
-            flush=True,
-        )
-        if labels.get("alertname") == "KVIntegrityMismatch":  # it counts the exposed requests
-            print(f"      {alert.get('annotations', {}).get('description', '')}", flush=True)
+            for a in firing
+        }
+    )
+    print(
+        f"\n  >>> PAGE  {labels.get('alertname')} [{labels.get('severity', '-')}] "
+        f"node={labels.get('node')}: {len(firing)} alert(s) in the group ({', '.join(each)})\n"
+        f"      {first.get('annotations', {}).get('summary', '')}",
+        flush=True,
+    )
+    if labels.get("alertname") == "KVIntegrityMismatch":  # it counts the exposed requests
+        print(f"      {first.get('annotations', {}).get('description', '')}", flush=True)
 
 
 def replay(stack: Stack) -> None:
@@ -138,6 +148,17 @@ def exposed(stack: Stack) -> None:
     print("\n".join(lines), flush=True)
 
 
+def status(stack: Stack) -> None:
+    """The node's verdict: the same affected and exposed counts as the lists above."""
+    print("\n== kvwatch status (the status page's summary)", flush=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvwatch.cli", "status", "--url", stack.daemon_url, "--color",
+         "never"],
+        capture_output=True, text=True, cwd=REPO, check=False,
+    )  # fmt: skip
+    print((done.stdout or done.stderr).rstrip(), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
     parser.add_argument(
@@ -172,6 +193,7 @@ def main() -> int:
         replay(stack)
         incidents(stack)
         exposed(stack)
+        status(stack)
         if alerting and stack.webhook is not None:
             print("\n== Waiting for the page ...", flush=True)
             stack.webhook.wait_for("KVIntegrityMismatch", timeout=60)

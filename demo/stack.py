@@ -218,12 +218,19 @@ class Stack:
                 raise TimeoutError(f"{name} did not answer {url} within {timeout:g} s")
             time.sleep(0.1)
 
+    @property
+    def daemon_config(self) -> Path:
+        return self.workdir / "kvwatch.toml"
+
     def _start_daemon(self) -> None:
         port = free_port()
+        # One node name: the daemon's setting names the node in its journal, incidents, status
+        # page and fast-path pages, and the scrape config's target label is the same constant.
+        self.daemon_config.write_text(f"node = {json.dumps(NODE)}\n")
         self._spawn(
             "daemon",
             [
-                sys.executable, "-m", "kvwatch.cli", "daemon",
+                sys.executable, "-m", "kvwatch.cli", "daemon", "--config", str(self.daemon_config),
                 "--spool-dir", str(self.spool), "--journal", str(self.journal),
                 "--listen", f"127.0.0.1:{port}", "--poll-interval", "0.1s",
                 "--log", f"prefill:sglang:{self.logs / 'prefill.log'}",

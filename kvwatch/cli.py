@@ -200,12 +200,88 @@ def _incidents(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     rows = incidents.merge(found, since=since, until=until, detector=args.detector, kind=args.kind)
+    grouped = incidents.group(rows)
     if args.exposed:
-        view = incidents.exposure(rows, since=since, until=until)
+        view = incidents.exposure(grouped, since=since, until=until)
         incidents.render_exposure(view, sys.stdout, as_json=args.json)
     else:
-        incidents.render(rows, sys.stdout, as_json=args.json)
+        incidents.render(grouped, sys.stdout, as_json=args.json)
     return 1 if read.skipped else 0
+
+
+# -- kvwatch ack -----------------------------------------------------------------------------
+
+
+def _ack(args: argparse.Namespace) -> int:
+    import getpass
+
+    from kvwatch import incidents
+    from kvwatch.incidents_log import iso
+    from kvwatch.journal import SCHEMA_VERSION, AckRow, Journal, JournalError, acknowledge
+
+    now = time.time()
+    chosen = [args.incident is not None, bool(args.since or args.until), args.all]
+    if sum(chosen) != 1:
+        return fail("ack", "give one incident ID, a time range (--since/--until) or --all", 2)
+    try:
+        since = None if args.since is None else parse_since(args.since, now)
+        until = None if args.until is None else parse_since(args.until, now, option="--until")
+    except configuration.ConfigError as exc:
+        return fail("ack", str(exc), 2)
+    if args.incident is not None and args.incident < 1:
+        return fail("ack", f"incident id {args.incident}: expected a positive whole number", 2)
+    path = args.journal or configuration.DEFAULT_JOURNAL
+    problem = _journal_problem(path)
+    if problem:
+        return fail("ack", problem)
+    try:
+        reader = Journal(path, readonly=True)
+    except (JournalError, sqlite3.Error, OSError) as exc:
+        return fail("ack", f"cannot read the journal {path}: {exc}")
+    try:
+        if reader.schema != SCHEMA_VERSION:
+            return fail(
+                "ack",
+                f"{path}: journal schema {reader.schema}; start the daemon once to migrate it",
+            )
+        grouped = incidents.group(reader.incidents())
+        upto = int(reader.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
+    except sqlite3.Error as exc:
+        return fail("ack", f"cannot read the journal {path}: {exc}")
+    finally:
+        reader.close()
+    if args.incident is not None:
+        found = [i for i in grouped if any(f["id"] == args.incident for f in i["findings"])]
+        if not found:
+            return fail("ack", f"no incident {args.incident} in {path} (kvwatch incidents)")
+        ids = [i["id"] for i in found]
+    else:
+        ids = [
+            i["id"]
+            for i in grouped
+            if (since is None or i["first_time"] >= since)
+            and (until is None or i["first_time"] < until)
+        ]
+    try:
+        by = args.by or getpass.getuser()
+    except (KeyError, OSError):
+        by = str(os.geteuid())
+    ack = AckRow(now, by[:256], upto, args.incident, since, until)
+    try:
+        acknowledge(path, ack)
+    except sqlite3.Error as exc:
+        return fail("ack", f"cannot write to the journal {path}: {exc}")
+    what = (
+        f"incident {args.incident}"
+        if args.incident is not None
+        else "every incident" + ("" if args.all else " first seen in the range")
+    )
+    print(
+        f"acknowledged {what} ({len(ids)} incident(s): {', '.join(map(str, ids[:20])) or '-'}"
+        f"{', ...' if len(ids) > 20 else ''}) by {by} at {iso(now)}; a later finding "
+        "raises the alarm again"
+    )
+    return 0
 
 
 #: Skipped log lines named one by one; the rest are counted.
@@ -405,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="this node's verdict from the running daemon, in the terminal",
         description="The status page's summary: the headline (the worst of integrity, unsafe "
         "band, coverage and freshness) and one line per check. Exit 0 ok, 3 warning, 4 alarm, "
-        "1 when no daemon answers.",
+        "1 when no daemon answers. The integrity alarm counts affected requests (incidents) "
+        "until each is acknowledged (kvwatch ack) or its last finding is older than the "
+        "daemon's alarm_window (unless alarm_until_ack is set).",
         examples=["kvwatch status", "kvwatch status --url http://10.0.0.7:29321 --json"],
     )
     status.add_argument(
@@ -423,6 +501,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     status.set_defaults(func=_status)
+
+    ack = add_command(
+        commands,
+        "ack",
+        help="acknowledge incidents: the integrity alarm (status) no longer counts them",
+        description="Record in the journal that incidents were seen and handled, who (the "
+        "invoking user, or --by) and when. The integrity alarm of the status page and of "
+        "kvwatch status stops counting them; a finding after the acknowledgement raises it "
+        "again. Give one incident ID (the ID column of kvwatch incidents), a time range "
+        "(incidents first seen in [--since, --until)) or --all.",
+        examples=[
+            "kvwatch ack 42",
+            "kvwatch ack --since 2026-12-01T08:00:00Z --until 2026-12-01T09:00:00Z --by alice",
+            "kvwatch ack --all --journal /var/lib/kvwatch/journal.db",
+        ],
+    )
+    ack.add_argument("incident", nargs="?", type=int, metavar="ID", help="one incident's id")
+    ack.add_argument(
+        "--since", metavar="WHEN", help="incidents first seen since then: 1h, 7d or a UTC time"
+    )
+    ack.add_argument("--until", metavar="WHEN", help="incidents first seen before then")
+    ack.add_argument("--all", action="store_true", help="every incident in the journal now")
+    ack.add_argument("--by", help="who acknowledges (default: the invoking user)")
+    ack.add_argument(
+        "--journal",
+        metavar="FILE",
+        help=f"the daemon's journal (default: {configuration.DEFAULT_JOURNAL})",
+    )
+    ack.set_defaults(func=_ack)
 
     export = add_command(
         commands,

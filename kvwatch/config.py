@@ -129,6 +129,11 @@ class Config:
     alertmanager_ca_file: str = ""
     alertmanager_username: str = ""
     alertmanager_password_file: str = ""
+    #: The integrity alarm (status page, ``kvwatch status``): an incident raises it for this
+    #: long after its last finding (the alert rule's 5 minutes), unless acknowledged first...
+    alarm_window: float = 300.0
+    #: ... or, with this on, until acknowledged (``kvwatch ack``), however old.
+    alarm_until_ack: bool = False
 
     @property
     def node_name(self) -> str:
@@ -160,6 +165,7 @@ _DURATIONS: Final = {
     "alertmanager_timeout",
     "alertmanager_resend",
     "prometheus_scrape_interval",
+    "alarm_window",
 }
 _STRINGS: Final = {
     "spool_dir",
@@ -175,7 +181,7 @@ _STRINGS: Final = {
     "alertmanager_username",
     "alertmanager_password_file",
 }
-_BOOLEANS: Final = {"nvml", "alertmanager_enabled"}
+_BOOLEANS: Final = {"nvml", "alertmanager_enabled", "alarm_until_ack"}
 #: Labels an alert of the rule file already has: an external label never overrides them.
 _RULE_LABELS: Final = frozenset({"alertname", "severity", "node"})
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -234,6 +240,8 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
             f"poll_interval: must be at least {MIN_POLL_INTERVAL * 1000:g}ms, "
             f"got {config.poll_interval * 1000:g}ms"
         )
+    if not 1.0 <= config.alarm_window <= 366 * 86400.0:
+        raise ConfigError(f"alarm_window: must be 1s to 366d, got {config.alarm_window:g}s")
     if config.incidents_log_max_bytes < 4096 or config.incidents_log_keep < 0:
         raise ConfigError(
             "incidents_log_max_bytes must be at least 4096 and incidents_log_keep at least 0, "

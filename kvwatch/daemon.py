@@ -36,7 +36,7 @@ from kvwatch.metrics import KvwatchCollector
 from kvwatch.nvml import Nvml
 from kvwatch.pager import Pager
 from kvwatch.spool_reader import SpoolReader
-from kvwatch.statuspage import make_app, serve_wsgi
+from kvwatch.statuspage import AlarmSettings, make_app, serve_wsgi
 
 #: How often old journal rows are pruned.
 PRUNE_SECONDS: Final = 600.0
@@ -164,6 +164,7 @@ class Daemon:
             idle_grace=config.idle_grace,
             quarantine_dir=config.quarantine,
             quarantine_max=config.quarantine_max,
+            node=config.node_name,
         )
         self.logs = LogWatcher(config.logs, self.state)
         log_path = config.incidents_log_path
@@ -212,7 +213,12 @@ class Daemon:
                 tls["client_cafile"] = self.config.tls_client_ca_file
                 tls["client_auth_required"] = True
         app = make_app(
-            make_wsgi_app(self.registry), self.state, self.config.journal, self.ready.is_set
+            make_wsgi_app(self.registry),
+            self.state,
+            self.config.journal,
+            self.ready.is_set,
+            settings=AlarmSettings(self.config.alarm_window, self.config.alarm_until_ack),
+            node=self.config.node_name,
         )
         self.server = serve_wsgi(host, port, app, tls)
         bound = self.server.server_address

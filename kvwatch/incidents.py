@@ -1,11 +1,18 @@
 """``kvwatch incidents``: the affected requests, from journals and incidents logs, for the
 disclosure team.
 
-Rows come from :meth:`kvwatch.journal.Journal.incidents` or from an incidents log
-(:mod:`kvwatch.incidents_log`), in one shape; several of them merge into one fleet-wide list, an
-incident found in both a journal and a log counted once (by node, producer and sequence number,
-which name one spool record). ``--exposed`` turns the list into the disclosure view: who
-received other requests' KV (readers), whose KV was received (sources), and how many pages.
+A *finding* is one detector's event: one spool record, one row of the journal's ``incidents``
+table, one line of the incidents log. Rows come from :meth:`kvwatch.journal.Journal.incidents`
+or from an incidents log (:mod:`kvwatch.incidents_log`), in one shape; several of them merge into
+one fleet-wide list, a finding found in both a journal and a log counted once (by node, producer
+and sequence number, which name one spool record).
+
+An *incident* is one affected request instance: its findings, grouped by :func:`group` (see
+:data:`JOIN_SECONDS` for the rule), and its sources (the distinct requests whose KV it
+received). Every count an operator reads (the status headline, ``kvwatch status``, the pages,
+this command's table and JSON, ``--exposed``) counts incidents and exposed requests through
+:func:`counts`. ``--exposed`` turns the list into the disclosure view: who received other
+requests' KV (readers), whose KV was received (sources), and how many pages.
 """
 
 from __future__ import annotations
@@ -17,32 +24,34 @@ from typing import Any, Final, TextIO
 from kvwatch.incidents_log import iso
 
 _COLUMNS = (
-    "TIME (UTC)",
+    "ID",
+    "FIRST SEEN (UTC)",
     "NODE",
     "ROLE",
     "ENGINE",
     "REQUEST",
     "INSTANCE",
-    "DETECTOR",
-    "KIND",
-    "SOURCES",
+    "FINDINGS",
+    "EXPOSED",
     "PAGES",
 )
 _SHOWN_PAGES = 8
-#: The disclosure view's JSON format (``--exposed --json``): its ``v``.
-EXPOSED_VERSION: Final = 1
-
-
-def _pages(row: dict[str, Any]) -> str:
-    pages = [str(p) for p in row["pages"][:_SHOWN_PAGES]]
-    text = ",".join(pages)
-    if row["pages_total"] > len(pages):
-        text += f",... ({row['pages_total']} pages)"
-    return text or "-"
+#: The disclosure view's JSON format (``--exposed --json``): its ``v``. 2: a reader is an
+#: incident (``findings``, ``id``); ``counts`` counts incidents, not findings, and ``exposed``.
+EXPOSED_VERSION: Final = 2
+#: The join rule of :func:`group`. A request id is not an identity (clients reuse ids) and an
+#: instance is one admission on one side (prefill and decode each mint theirs, and decode's
+#: admission check and its reservation may be two), so neither alone names the affected request.
+#: A finding joins the incident of its node and request id whose last finding is at most this
+#: many seconds older, unless that incident already holds the same (role, detector, kind) from
+#: another instance: the hooks report a request instance once per detector and kind, so a
+#: repeat from a new instance is a new admission of a reused id, a new incident. Findings of one
+#: instance always stay together.
+JOIN_SECONDS: Final = 60.0
 
 
 def identity(row: dict[str, Any]) -> tuple[str, str, int]:
-    """What names one incident anywhere: its node, producer and the record's sequence number."""
+    """What names one finding anywhere: its node, producer and the record's sequence number."""
     return (row["node"] or "", row["producer"], row["seq"])
 
 
@@ -54,7 +63,7 @@ def merge(
     detector: str | None = None,
     kind: str | None = None,
 ) -> list[dict[str, Any]]:
-    """One time-ordered list from several journals and logs, each incident once."""
+    """One time-ordered list of findings from several journals and logs, each finding once."""
     seen: dict[tuple[str, str, int], dict[str, Any]] = {}
     for rows in sources:
         for row in rows:
@@ -70,34 +79,174 @@ def merge(
     return sorted(seen.values(), key=lambda r: (r["time"], identity(r)))
 
 
-def exposed_count(row: dict[str, Any]) -> int:
-    """Requests whose KV this incident's reader received (as ``kvwatch_exposed_requests``)."""
-    return len({s["request_id"] for s in row["sources"]}) + int(row["other_sources"])
+def _source_key(source: dict[str, Any]) -> tuple[str, str]:
+    return (source["request_id"], source["instance"] or "")
 
 
-def render(rows: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> None:
+def group(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The incidents of ``findings`` (time-ordered, as :func:`merge` gives them), in order of
+    their first finding. The join rule: :data:`JOIN_SECONDS`."""
+    incidents: list[dict[str, Any]] = []
+    by_instance: dict[tuple[str, str, str], dict[str, Any]] = {}
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in findings:
+        node, rid, instance = row["node"] or "", row["request_id"], row["instance"] or ""
+        incident = by_instance.get((node, rid, instance)) if instance else None
+        if incident is None:
+            candidate = latest.get((node, rid))
+            what = (row["role"], row["detector"], row["kind"])
+            if (
+                candidate is not None
+                and row["time"] - candidate["last_time"] <= JOIN_SECONDS
+                and candidate["_seen"].get(what, instance) == instance
+            ):
+                incident = candidate
+        if incident is None:
+            incident = _new_incident(row)
+            incidents.append(incident)
+        _add_finding(incident, row)
+        if instance:
+            by_instance[(node, rid, instance)] = incident
+        latest[(node, rid)] = incident
+    for incident in incidents:
+        del incident["_seen"]
+        incident["sources"] = sorted(
+            incident["sources"].values(), key=lambda s: (-s["pages"], _source_key(s))
+        )
+        incident["exposed"] = len(incident["sources"]) + incident["other_sources"]
+    return incidents
+
+
+def _new_incident(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": row.get("id"),
+        "node": row["node"] or "",
+        "request_id": row["request_id"],
+        "instance": row["instance"],
+        "instances": [],
+        "roles": [],
+        "role": row["role"],
+        "engine": row["engine"],
+        "engine_version": row["engine_version"],
+        "model": row["model"],
+        "producer": row["producer"],
+        "time": row["time"],
+        "first_time": row["time"],
+        "last_time": row["time"],
+        "detectors": [],
+        "pages_total": 0,
+        "findings": [],
+        "sources": {},
+        "other_sources": 0,
+        "other_source_pages": 0,
+        "exposed": 0,
+        "_seen": {},
+    }
+
+
+_FINDING_FIELDS: Final = (
+    "id", "time", "role", "producer", "seq", "instance", "detector", "kind", "mode", "action",
+    "pages", "pages_total", "detail", "sources", "other_sources", "other_source_pages",
+)  # fmt: skip
+
+
+def _add_finding(incident: dict[str, Any], row: dict[str, Any]) -> None:
+    incident["findings"].append({k: row.get(k) for k in _FINDING_FIELDS})
+    incident["_seen"].setdefault((row["role"], row["detector"], row["kind"]), row["instance"] or "")
+    incident["last_time"] = max(incident["last_time"], row["time"])
+    if row.get("id") is not None and (incident["id"] is None or row["id"] < incident["id"]):
+        incident["id"] = row["id"]
+    for name, value in (("instances", row["instance"]), ("roles", row["role"])):
+        if value and value not in incident[name]:
+            incident[name].append(value)
+    if row["detector"] not in incident["detectors"]:
+        incident["detectors"].append(row["detector"])
+    incident["pages_total"] = max(incident["pages_total"], row["pages_total"])
+    named = bool(incident["sources"] or incident["other_sources"])
+    # The reader names the incident: the side whose pages held other requests' KV, else the
+    # decode side (which reads what prefill sent), else the first finding's.
+    if not named and (
+        row["sources"] or row["other_sources"] or (row["role"] == "decode" != incident["role"])
+    ):
+        for name in ("instance", "role", "engine", "engine_version", "model", "producer"):
+            incident[name] = row[name]
+    if row["sources"] or row["other_sources"]:
+        for source in row["sources"]:
+            key = _source_key(source)
+            kept = incident["sources"].get(key)
+            if kept is None:
+                incident["sources"][key] = dict(source)
+            else:  # a pair found by several detectors counts its pages once: the most named
+                kept["pages"] = max(kept["pages"], source["pages"])
+                kept["written_at"] = max(kept["written_at"], source["written_at"])
+        incident["other_sources"] = max(incident["other_sources"], row["other_sources"])
+        incident["other_source_pages"] = max(
+            incident["other_source_pages"], row["other_source_pages"]
+        )
+
+
+def counts(incidents: list[dict[str, Any]]) -> dict[str, int]:
+    """What every view says: ``affected`` requests (incidents) and ``exposed`` requests (the
+    distinct sources on their node, and the ones only counted, beyond the 16 an event names)."""
+    named = {(i["node"], *_source_key(s)) for i in incidents for s in i["sources"]}
+    return {
+        "affected": len(incidents),
+        "exposed": len(named) + sum(i["other_sources"] for i in incidents),
+    }
+
+
+def render(incidents: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> None:
     if as_json:
-        stamped = [{**row, "time_iso": iso(row["time"])} for row in rows]
+        stamped = [
+            {
+                **i,
+                "time_iso": iso(i["time"]),
+                "last_time_iso": iso(i["last_time"]),
+            }
+            for i in incidents
+        ]
         out.write(json.dumps(stamped, sort_keys=True, indent=2) + "\n")
         return
     table: list[tuple[str, ...]] = [_COLUMNS]
-    for row in rows:
+    for i in incidents:
+        findings = ", ".join(
+            f"{f['role']} {f['detector']} {f['kind']}" for f in i["findings"][:_SHOWN_FINDINGS]
+        )
+        if len(i["findings"]) > _SHOWN_FINDINGS:
+            findings += f", +{len(i['findings']) - _SHOWN_FINDINGS} more"
         table.append(
             (
-                iso(row["time"]),
-                row["node"] or "-",
-                row["role"] or "-",
-                row["engine"] or "-",
-                row["request_id"] or "-",
-                row["instance"] or "-",
-                row["detector"],
-                row["kind"],
-                str(exposed_count(row)),
-                _pages(row),
+                "-" if i["id"] is None else str(i["id"]),
+                iso(i["time"]),
+                i["node"] or "-",
+                i["role"] or "-",
+                i["engine"] or "-",
+                i["request_id"] or "-",
+                i["instance"] or "-",
+                findings,
+                str(i["exposed"]),
+                _pages(i),
             )
         )
     _table(table, out)
-    out.write(f"{len(rows)} incident(s)\n")
+    total = counts(incidents)
+    out.write(  # an incident is an affected request: its count last, as before
+        f"{sum(len(i['findings']) for i in incidents)} finding(s), "
+        f"{total['exposed']} exposed request(s), {total['affected']} incident(s)\n"
+    )
+
+
+_SHOWN_FINDINGS = 4
+
+
+def _pages(incident: dict[str, Any]) -> str:
+    """The pages of the finding that named the most."""
+    widest = max(incident["findings"], key=lambda f: f["pages_total"])
+    pages = [str(p) for p in widest["pages"][:_SHOWN_PAGES]]
+    text = ",".join(pages)
+    if widest["pages_total"] > len(pages):
+        text += f",... ({widest['pages_total']} pages)"
+    return text or "-"
 
 
 def printable(text: str) -> str:
@@ -125,108 +274,86 @@ def _table(table: list[tuple[str, ...]], out: TextIO) -> None:
 
 
 def exposure(
-    rows: list[dict[str, Any]], *, since: float | None, until: float | None
+    incidents: list[dict[str, Any]], *, since: float | None, until: float | None
 ) -> dict[str, Any]:
-    """The disclosure view of ``rows`` (format version :data:`EXPOSED_VERSION`).
+    """The disclosure view of ``incidents`` (:func:`group`; format :data:`EXPOSED_VERSION`).
 
-    ``readers``: each request (per node and instance) that received other requests' KV, with
-    its node, role, engine and instance, the pages its incidents named (the most any one
+    ``readers``: each incident whose request received other requests' KV, with its node, role,
+    engine and instance (the reading side's), the pages its findings named (the most any one
     finding named) and its sources. ``sources``: each request whose KV was received, with the
     pages received (summed over readers) and which readers. A source is known by its request
     id and instance on the reader's node (a KV pool is one node's). ``unnamed_sources``: the
     sources a finding only counted (beyond the 16 an event names). Pages of one reader-source
-    pair found by several detectors count once: the most any one finding named.
+    pair found by several detectors count once: the most any one finding named. ``counts``:
+    ``incidents`` and ``exposed`` are :func:`counts`' ``affected`` and ``exposed``.
     """
-    readers: dict[tuple[str, str, str], dict[str, Any]] = {}
+    readers: list[dict[str, Any]] = []
     sources: dict[tuple[str, str, str], dict[str, Any]] = {}
-    edges: dict[tuple[tuple[str, str, str], tuple[str, str, str]], int] = {}
-    unnamed = 0
-    unnamed_pages = 0
-    for row in rows:
-        if not row["sources"] and not row["other_sources"]:
+    for incident in incidents:
+        if not incident["sources"] and not incident["other_sources"]:
             continue
-        node = row["node"] or ""
-        rkey = (node, row["request_id"], row["instance"] or "")
-        reader = readers.setdefault(
-            rkey,
-            {
-                "request_id": row["request_id"],
-                "instance": row["instance"],
-                "node": node,
-                "role": row["role"],
-                "engine": row["engine"],
-                "engine_version": row["engine_version"],
-                "model": row["model"],
-                "producer": row["producer"],
-                "first_time": row["time"],
-                "last_time": row["time"],
-                "pages": 0,
-                "detectors": [],
-                "incidents": 0,
-                "other_sources": 0,
-                "other_source_pages": 0,
-            },
-        )
-        reader["last_time"] = max(reader["last_time"], row["time"])
-        reader["first_time"] = min(reader["first_time"], row["time"])
-        reader["pages"] = max(reader["pages"], row["pages_total"])
-        reader["incidents"] += 1
-        if row["detector"] not in reader["detectors"]:
-            reader["detectors"].append(row["detector"])
-        reader["other_sources"] = max(reader["other_sources"], row["other_sources"])
-        reader["other_source_pages"] = max(reader["other_source_pages"], row["other_source_pages"])
-        unnamed += row["other_sources"]
-        unnamed_pages += row["other_source_pages"]
-        for source in row["sources"]:
-            skey = (node, source["request_id"], source["instance"] or "")
-            sources.setdefault(
-                skey,
+        node = incident["node"]
+        reader = {
+            name: incident[name]
+            for name in (
+                "id", "request_id", "instance", "node", "role", "engine", "engine_version",
+                "model", "producer", "detectors", "other_sources", "other_source_pages",
+            )
+        }  # fmt: skip
+        reader["first_time"] = incident["first_time"]
+        reader["last_time"] = incident["last_time"]
+        reader["first_time_iso"] = iso(incident["first_time"])
+        reader["last_time_iso"] = iso(incident["last_time"])
+        reader["pages"] = incident["pages_total"]
+        reader["findings"] = len(incident["findings"])
+        reader["sources"] = [
+            {"request_id": s["request_id"], "instance": s["instance"], "pages": s["pages"]}
+            for s in incident["sources"]
+        ]
+        readers.append(reader)
+        for source in incident["sources"]:
+            entry = sources.setdefault(
+                (node, *_source_key(source)),
                 {
                     "request_id": source["request_id"],
                     "instance": source["instance"],
                     "node": node,
                     "last_written": 0.0,
+                    "readers": [],
                 },
             )
-            entry = sources[skey]
             entry["last_written"] = max(entry["last_written"], source["written_at"])
-            edges[(rkey, skey)] = max(edges.get((rkey, skey), 0), source["pages"])
-    reader_sources: dict[tuple[str, str, str], list[dict[str, Any]]] = {k: [] for k in readers}
-    source_readers: dict[tuple[str, str, str], list[dict[str, Any]]] = {k: [] for k in sources}
-    for (rkey, skey), pages in sorted(edges.items(), key=lambda e: (-e[1], e[0])):
-        s, r = sources[skey], readers[rkey]
-        reader_sources[rkey].append(
-            {"request_id": s["request_id"], "instance": s["instance"], "pages": pages}
-        )
-        source_readers[skey].append(
-            {"request_id": r["request_id"], "instance": r["instance"], "pages": pages}
-        )
-    reader_list = []
-    for rkey, reader in readers.items():
-        reader["sources"] = reader_sources[rkey]
-        reader["first_time_iso"] = iso(reader["first_time"])
-        reader["last_time_iso"] = iso(reader["last_time"])
-        reader_list.append(reader)
+            entry["readers"].append(
+                {
+                    "request_id": incident["request_id"],
+                    "instance": incident["instance"],
+                    "pages": source["pages"],
+                }
+            )
     source_list = []
-    for skey, source in sources.items():
-        source["readers"] = source_readers[skey]
+    for source in sources.values():
+        source["readers"].sort(key=lambda r: (-r["pages"], r["request_id"]))
         source["pages"] = sum(r["pages"] for r in source["readers"])
         source_list.append(source)
-    reader_list.sort(key=lambda r: (r["first_time"], r["node"], r["request_id"]))
+    readers.sort(key=lambda r: (r["first_time"], r["node"], r["request_id"]))
     source_list.sort(key=lambda s: (-s["pages"], s["node"], s["request_id"]))
+    unnamed = sum(r["other_sources"] for r in readers)
+    unnamed_pages = sum(r["other_source_pages"] for r in readers)
+    total = counts(incidents)
     return {
         "v": EXPOSED_VERSION,
         "since": since,
         "until": until,
-        "readers": reader_list,
+        "readers": readers,
         "sources": source_list,
         "counts": {
-            "incidents": sum(r["incidents"] for r in reader_list),
-            "readers": len(reader_list),
+            "incidents": total["affected"],
+            "exposed": total["exposed"],
+            "readers": len(readers),
             "sources": len(source_list),
             "unnamed_sources": unnamed,
             "unnamed_source_pages": unnamed_pages,
-            "pages": sum(edges.values()) + unnamed_pages,
+            "pages": sum(s["pages"] for s in source_list) + unnamed_pages,
         },
     }
 
@@ -274,9 +401,10 @@ def render_exposure(view: dict[str, Any], out: TextIO, *, as_json: bool) -> None
             )
         )
     _table(table, out)
-    counts = view["counts"]
+    tally = view["counts"]
     out.write(
-        f"\n{counts['readers']} reader(s), {counts['sources']} named source(s)"
-        f" and {counts['unnamed_sources']} unnamed, {counts['pages']} page(s),"
-        f" from {counts['incidents']} incident(s)\n"
+        f"\n{tally['readers']} reader(s), {tally['sources']} named source(s)"
+        f" and {tally['unnamed_sources']} unnamed, {tally['pages']} page(s);"
+        f" {tally['incidents']} incident(s) (affected requests),"
+        f" {tally['exposed']} exposed request(s)\n"
     )

@@ -34,7 +34,7 @@ from kvwatch.state import (
     totals,
 )
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 #: Retired producers kept in memory (and in the producers table) before the oldest are folded.
 MAX_RETIRED_PRODUCERS: Final = 1024
 #: A retired producer is never folded sooner: one whose spool directory was removed comes back
@@ -79,6 +79,21 @@ class ExposureRow(NamedTuple):
     instance: str | None
     pages: int
     written_at: float
+
+
+class AckRow(NamedTuple):
+    """One row of ``acks``: an operator acknowledged incidents (``kvwatch ack``). ``incident``:
+    one incident, by the id of any of its findings; else every incident whose first finding
+    falls in [``since``, ``until``) (either end open when null). An acknowledgement covers
+    what the journal held when it was made (``ts``; findings up to id ``upto``): a finding
+    stored after it raises the alarm again."""
+
+    ts: float
+    by: str
+    upto: int
+    incident: int | None = None
+    since: float | None = None
+    until: float | None = None
 
 
 class RejectRow(NamedTuple):
@@ -204,6 +219,7 @@ CREATE INDEX IF NOT EXISTS incidents_ts ON incidents (ts);
 CREATE TABLE IF NOT EXISTS exposures (id INTEGER PRIMARY KEY, {_columns(ExposureRow)});
 CREATE INDEX IF NOT EXISTS exposures_reader ON exposures (producer, seq);
 CREATE TABLE IF NOT EXISTS rejects (id INTEGER PRIMARY KEY, {_columns(RejectRow)});
+CREATE TABLE IF NOT EXISTS acks (id INTEGER PRIMARY KEY, {_columns(AckRow)});
 CREATE TABLE IF NOT EXISTS gaps (
     id INTEGER PRIMARY KEY, ts REAL NOT NULL, producer TEXT NOT NULL,
     first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL
@@ -227,7 +243,11 @@ _MIGRATE_2: Final = (
     "ALTER TABLE incidents ADD COLUMN other_sources INTEGER NOT NULL DEFAULT 0",
     "ALTER TABLE incidents ADD COLUMN other_source_pages INTEGER NOT NULL DEFAULT 0",
 )
-_MIGRATIONS: Final = {1: _MIGRATE_1, 2: _MIGRATE_2}
+#: Schema 3 -> 4: acknowledgements (``acks``, created with the schema).
+_MIGRATE_3: Final = ()
+_MIGRATIONS: Final = {1: _MIGRATE_1, 2: _MIGRATE_2, 3: _MIGRATE_3}
+_INSERT_ACK: Final = _insert("acks", AckRow) + " VALUES (?, ?, ?, ?, ?, ?)"
+_SELECT_ACKS: Final = _select("acks", AckRow) + " ORDER BY id"
 _insert_records: Final = _Insert("INSERT INTO records", 4)
 _insert_incidents: Final = _Insert(
     _insert("incidents", IncidentRow),
@@ -320,11 +340,12 @@ class Journal:
             self.db.execute("PRAGMA query_only = ON")
             schema = self.meta("schema")
             # A reader may hold a journal the daemon has not migrated yet (a copy from another
-            # node, an older kvwatch): schema 2 reads as one without sources.
+            # node, an older kvwatch): schema 2 reads as one without sources, 3 as one without
+            # acknowledgements.
             self.schema = int(schema) if schema is not None and schema.isdigit() else 0
-            if self.schema not in (2, SCHEMA_VERSION):
+            if self.schema not in (2, 3, SCHEMA_VERSION):
                 raise JournalError(
-                    f"{self.path}: journal schema {schema}, expected 2 or {SCHEMA_VERSION}"
+                    f"{self.path}: journal schema {schema}, expected 2 to {SCHEMA_VERSION}"
                 )
             return
         self.schema = SCHEMA_VERSION
@@ -496,8 +517,11 @@ class Journal:
         db = self.db
         try:
             db.execute("BEGIN IMMEDIATE")
-            for table in ("incidents", "exposures", "rejects", "gaps"):
+            for table in ("incidents", "exposures", "rejects", "gaps", "acks"):
                 deleted += db.execute(f"DELETE FROM {table} WHERE ts < ?", (cutoff,)).rowcount
+            if db.execute("SELECT 1 FROM incidents LIMIT 1").fetchone() is None:
+                # SQLite hands out finding ids from 1 again: no acknowledgement may cover them.
+                deleted += db.execute("DELETE FROM acks").rowcount
             # Rows are appended in commit order, so their rowids follow time (closely enough: a
             # skewed producer clock only delays a deletion): delete below the first row inside
             # the retention. A plain "WHERE ts < ?" scans the whole table (no index on ts, which
@@ -569,7 +593,7 @@ class Journal:
     ) -> list[dict[str, Any]]:
         """Incidents in time order (``after_id``: in id order, those after it), each with the
         journal's row ``id`` and its ``sources`` (the exposures, most pages first)."""
-        sql = _SELECT_INCIDENTS_ID if self.schema == SCHEMA_VERSION else _SELECT_INCIDENTS_2
+        sql = _SELECT_INCIDENTS_ID if self.schema >= 3 else _SELECT_INCIDENTS_2
         where: list[str] = []
         args: list[Any] = []
         for clause, value in (
@@ -596,9 +620,24 @@ class Journal:
             item["id"] = item.pop("id")  # after the record's fields, as before ids were shown
             item["sources"] = []
             out.append(item)
-        if out and self.schema == SCHEMA_VERSION:
+        if out and self.schema >= 3:
             self._attach_sources(out)
         return out
+
+    def acks(self) -> list[AckRow]:
+        """Every acknowledgement, oldest first (none in a journal older than schema 4)."""
+        if self.schema < 4:
+            return []
+        return [AckRow(*row) for row in self.db.execute(_SELECT_ACKS)]
+
+    def gaps(self, since: float | None) -> list[tuple[float, int]]:
+        """Each gap in sequence numbers seen since ``since`` (all: None): when, and how many
+        records it lost."""
+        sql = "SELECT ts, last_seq - first_seq + 1 FROM gaps"
+        args: tuple[float, ...] = ()
+        if since is not None:
+            sql, args = sql + " WHERE ts >= ?", (since,)
+        return [(float(t), int(n)) for t, n in self.db.execute(sql + " ORDER BY ts", args)]
 
     def _attach_sources(self, incidents: list[dict[str, Any]]) -> None:
         by_reader = {(i["producer"], i["seq"]): i for i in incidents}
@@ -630,6 +669,16 @@ class Journal:
     def scalar(self, sql: str, args: Iterable[Any] = ()) -> Any:
         row = self.db.execute(sql, tuple(args)).fetchone()
         return None if row is None else row[0]
+
+
+def acknowledge(path: str | Path, ack: AckRow) -> None:
+    """Store ``ack`` in the journal at ``path`` (``kvwatch ack``): a connection of its own
+    beside the daemon's (WAL lets the two write in turn), that creates nothing."""
+    db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=10.0, isolation_level=None)
+    try:
+        db.execute(_INSERT_ACK, ack)
+    finally:
+        db.close()
 
 
 def _producer_row(p: Producer) -> tuple[Any, ...]:

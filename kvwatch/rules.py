@@ -227,8 +227,10 @@ RECORDING_RULES: tuple[RecordingRule, ...] = (
 
 _WHERE = "{{ $labels.role }} on node {{ $labels.node }}"
 
-#: Requests whose KV a reader on the alert's node and role received in the last 5 minutes.
-EXPOSED_REQUESTS = Context("exposed_requests", "exposed_requests", ("node", "role"))
+#: Requests whose KV the affected requests on the alert's node received in the last 5 minutes
+#: (each source counted once per incident, whichever role's finding named it): the prefill and
+#: the decode alert of one leak state the same number.
+EXPOSED_REQUESTS = Context("exposed_requests", "exposed_requests", ("node",))
 
 
 def _on_increase(
@@ -263,9 +265,10 @@ ALERTS: tuple[Alert, ...] = (
             "The {{ $labels.detector }} detector on "
             + _WHERE
             + ' found {{ $value | printf "%.0f" }} KV integrity mismatch(es) of kind '
-            "{{ $labels.kind }} in the last 5 minutes. Findings there exposed the KV of "
-            "{{ exposed_requests }} request(s) (counted per finding; kvwatch incidents --exposed "
-            "names each once)."
+            "{{ $labels.kind }} in the last 5 minutes. Requests affected on node "
+            "{{ $labels.node }} received the KV of {{ exposed_requests }} other request(s) in "
+            "that time (each once per affected request); kvwatch incidents --exposed names "
+            "them, kvwatch incidents lists each affected request once."
         ),
         context=(EXPOSED_REQUESTS,),
     ),

@@ -25,6 +25,7 @@ import gc
 import os
 import re
 import shutil
+import socket
 import sqlite3
 import stat
 import time
@@ -42,6 +43,7 @@ from kvspool import SchemaError, catalogue, decode_payload, iter_frames
 from kvspool.framing import SEGMENT_SUFFIX
 from kvspool.records import SERIES_OF, TYPE_NAME, Counters, Event, Gauges, Hello, Record, Seal
 from kvspool.writer import PRIVATE_SUFFIX
+from kvwatch.incidents import JOIN_SECONDS
 from kvwatch.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
 from kvwatch.state import Producer, Segment, State
 
@@ -69,6 +71,8 @@ _PRIVATE_NAME: Final = re.compile(
 )
 _DETECTOR, _ROLE, _KIND = catalogue.DETECTOR.bound, catalogue.ROLE.bound, catalogue.KIND.bound
 _encode_json: Final = msgspec.json.Encoder(order="sorted").encode
+#: Incidents whose counted sources the reader remembers (``kvwatch_exposed_requests_total``).
+_EXPOSED_SEEN_MAX: Final = 65536
 #: An incident row's (detector, role, kind): the labels of ``kvwatch_incidents_total``.
 _INCIDENT_LABELS: Final = itemgetter(*map(IncidentRow._fields.index, ("detector", "role", "kind")))
 
@@ -128,8 +132,13 @@ class SpoolReader:
         chunk_bytes: int = 256 << 10,
         quarantine_dir: str | os.PathLike[str] | None = None,
         quarantine_max: int = 32,
+        node: str | None = None,
     ) -> None:
         self.directory = Path(directory)
+        #: The node every incident row names: the daemon's ``node`` setting, else the host
+        #: name; the same name Prometheus's target label and the pages carry (not the engine's
+        #: hello, which names its own host).
+        self.node = node or socket.gethostname()
         self.journal = journal
         self.state = state
         self.allowed_uids = frozenset(allowed_uids if allowed_uids else {os.geteuid()})
@@ -152,6 +161,9 @@ class SpoolReader:
         self._incident_keys: dict[tuple[str, str, str], tuple[str, tuple[str, ...]]] = {}
         #: (detector, role, kind) as the records said them -> incidents not yet counted.
         self._incidents_seen = Counter[tuple[str, str, str]]()
+        #: Reader request id -> (last finding's ts, sources counted, others counted): what
+        #: ``kvwatch_exposed_requests_total`` counted for the incident so far.
+        self._exposed_seen: dict[str, tuple[float, set[tuple[str, str]], int]] = {}
         #: Events read, their incident rows not yet built (see _incidents).
         self._events: list[tuple[Event, float]] = []
         self.clock_past = CLOCK_PAST_SECONDS
@@ -533,7 +545,7 @@ class SpoolReader:
         """Build the incident rows of the events read (``_events``, all ``producer``'s), and
         count them by (detector, role, kind). One call per read rather than per event, with
         the producer's labels looked up once: the reader's per-event cost halves."""
-        node, role, engine = producer.node, producer.role, producer.engine
+        node, role, engine = self.node, producer.role, producer.engine
         version, model, rank, name = (
             producer.engine_version,
             producer.model,
@@ -576,11 +588,13 @@ class SpoolReader:
 
     def _exposures(self, producer: Producer, record: Event, ts: float) -> None:
         """The reader -> source edges of an event, and the exposed requests it counts: each
-        distinct source once, the ones counted only in ``other_sources`` too."""
+        source once per incident (an incident's later findings, from any detector, count only
+        the sources they add; :data:`kvwatch.incidents.JOIN_SECONDS` joins them), the ones
+        counted only in ``other_sources`` too."""
         name, seq = producer.name, record.seq
-        named: set[str] = set()
+        named: set[tuple[str, str]] = set()
         for source in record.sources:
-            named.add(source.request_id)
+            named.add((source.request_id, source.instance or ""))
             self._batch.exposures.append(
                 ExposureRow(
                     name,
@@ -592,7 +606,18 @@ class SpoolReader:
                     source.written_at,
                 )
             )
-        self._count("exposed_requests", (_ROLE(producer.role),), len(named) + record.other_sources)
+        seen = self._exposed_seen
+        counted = seen.get(record.request_id)
+        if counted is None or ts - counted[0] > JOIN_SECONDS:
+            if len(seen) >= _EXPOSED_SEEN_MAX:  # bounded memory: the oldest incidents go
+                for key in list(seen)[: _EXPOSED_SEEN_MAX // 2]:
+                    del seen[key]
+            counted = (ts, set(), 0)
+        new = named - counted[1]
+        others = max(0, record.other_sources - counted[2])
+        seen.pop(record.request_id, None)
+        seen[record.request_id] = (ts, counted[1] | new, max(counted[2], record.other_sources))
+        self._count("exposed_requests", (_ROLE(producer.role),), len(new) + others)
 
     def _lost(self, producer: Producer, first: int, last: int) -> None:
         count = last - first + 1
@@ -745,6 +770,7 @@ class SpoolReader:
         self._to_remove = []
         self._events.clear()
         self._incidents_seen.clear()
+        self._exposed_seen.clear()  # what it counted may not have been committed
         self.state.replace_with(self.journal.load())
 
 

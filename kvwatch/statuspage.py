@@ -4,11 +4,13 @@ Paths: ``/metrics`` (Prometheus), ``/`` (this page; JSON with ``Accept: applicat
 ``kvwatch status`` reads), ``/-/healthy`` (the process serves), ``/-/ready`` (the journal is
 open and the first poll committed); anything else is 404.
 
-The page: a headline that is the worst of four checks (integrity; the unsafe band; coverage: a
-live producer, a detector that verifies, the spool present; freshness of the last record), each
-with the line an on-call needs; pool against context for each engine role with the unsafe band
-drawn; whose KV the latest incident's reader received (its sources); the latest incidents from
-the journal. Server-rendered HTML with inline SVG: no script,
+The page: a headline that is the worst of four checks (integrity: the journal's unacknowledged
+incidents in the alarm's window, as affected and exposed requests, and lost records; the unsafe
+band, an alarm as its rule is critical, stale once no engine reports; coverage: a live producer,
+a detector that verifies, the spool present; freshness of the last record), each with the line
+an on-call needs; pool against context for each engine role with the unsafe band drawn; whose KV
+the latest incident's reader received (its sources); the latest incidents (affected requests)
+from the journal, acknowledged ones marked. Server-rendered HTML with inline SVG: no script,
 no external asset, refreshed by the browser every few seconds.
 """
 
@@ -27,8 +29,8 @@ from typing import Any
 
 from kvspool.catalogue import unsafe_band
 from kvwatch import __version__
-from kvwatch.incidents import exposed_count
-from kvwatch.journal import Journal, JournalError
+from kvwatch import incidents as incident_model
+from kvwatch.journal import AckRow, Journal, JournalError
 from kvwatch.metrics import engine_views
 from kvwatch.state import State
 
@@ -51,9 +53,119 @@ class Health:
     live_producers: int
     last_record_ts: float
 
+
+@dataclass(frozen=True)
+class AlarmSettings:
+    """How long an incident raises the integrity alarm (config ``alarm_window``,
+    ``alarm_until_ack``)."""
+
+    window: float = 300.0
+    until_ack: bool = False
+
+    def describe(self) -> str:
+        return "until acknowledged" if self.until_ack else f"last {_duration(self.window)}"
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """The integrity alarm, from the journal: the incidents (affected request instances) and
+    lost records it covers, those an operator acknowledged set apart."""
+
+    settings: AlarmSettings
+    #: Unacknowledged incidents in the alarm's scope (:func:`kvwatch.incidents.group`).
+    open: tuple[dict[str, Any], ...] = ()
+    acknowledged: int = 0
+    lost_records: int = 0
+    error: str | None = None
+
     @property
-    def alarm(self) -> bool:
-        return bool(sum(self.mismatches.values()) or self.aborted_admissions or self.lost_records)
+    def counts(self) -> dict[str, int]:
+        return incident_model.counts(list(self.open))
+
+    @property
+    def raised(self) -> bool:
+        return bool(self.open or self.lost_records or self.error)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.counts,
+            "acknowledged": self.acknowledged,
+            "lost_records": self.lost_records,
+            "window_seconds": None if self.settings.until_ack else self.settings.window,
+            "until_ack": self.settings.until_ack,
+            "incident_ids": [i["id"] for i in self.open],
+            "error": self.error,
+        }
+
+
+def covers(ack: AckRow, incident: dict[str, Any]) -> bool:
+    """Whether ``ack`` acknowledges ``incident`` (:class:`kvwatch.journal.AckRow`)."""
+    ids = [f.get("id") for f in incident["findings"]]
+    if None in ids or not ids:  # not from this journal (a gap, a log line): by time
+        if incident["last_time"] > ack.ts:
+            return False
+    elif max(ids) > ack.upto:
+        return False  # a finding stored after the acknowledgement: raised again
+    if ack.incident is not None:
+        return any(f.get("id") == ack.incident for f in incident["findings"])
+    return (ack.since is None or incident["first_time"] >= ack.since) and (
+        ack.until is None or incident["first_time"] < ack.until
+    )
+
+
+def acknowledgement(acks: list[AckRow], incident: dict[str, Any]) -> AckRow | None:
+    """The latest acknowledgement that covers ``incident``, if any."""
+    return next((a for a in reversed(acks) if covers(a, incident)), None)
+
+
+def alarm(journal: Journal, settings: AlarmSettings, now: float | None = None) -> Alarm:
+    """The integrity alarm now: the incidents whose last finding lies in the window (or all,
+    ``until_ack``), and the records lost in it, less what an acknowledgement covers."""
+    now = time.time() if now is None else now
+    since = None if settings.until_ack else now - settings.window
+    # An incident's earlier findings, up to the join rule's reach, so that it keeps its id.
+    read_from = None if since is None else since - incident_model.JOIN_SECONDS
+    grouped = incident_model.group(journal.incidents(since=read_from))
+    acks = journal.acks()
+    open_: list[dict[str, Any]] = []
+    acknowledged = 0
+    for incident in grouped:
+        if since is not None and incident["last_time"] < since:
+            continue
+        if acknowledgement(acks, incident) is None:
+            open_.append(incident)
+        else:
+            acknowledged += 1
+    lost = 0
+    for ts, count in journal.gaps(since):
+        gap = {"first_time": ts, "last_time": ts, "findings": ()}
+        if not any(a.incident is None and covers(a, gap) for a in acks):
+            lost += count
+    return Alarm(settings, tuple(open_), acknowledged, lost)
+
+
+def read_alarm(journal_path: str | Path, settings: AlarmSettings) -> Alarm:
+    """:func:`alarm` through a read-only connection of this request's own; a journal that
+    cannot be read raises the alarm (it may hold incidents) and says why."""
+    try:
+        journal = Journal(journal_path, readonly=True)
+    except (JournalError, OSError) as exc:
+        if not Path(journal_path).exists():
+            return Alarm(settings)  # nothing stored yet: the first poll creates it
+        return Alarm(settings, error=str(exc))
+    try:
+        return alarm(journal, settings)
+    except Exception as exc:  # the page must render even when the journal cannot be read
+        return Alarm(settings, error=str(exc))
+    finally:
+        journal.close()
 
 
 def health(state: State) -> Health:
@@ -111,52 +223,101 @@ class Summary:
         }
 
 
-def summarize(state: State, now: float | None = None) -> Summary:
-    """The four checks, from the daemon's state alone."""
+def summarize(state: State, alarm: Alarm, now: float | None = None) -> Summary:
+    """The four checks, from the daemon's state and the integrity alarm (:func:`alarm`)."""
     now = time.time() if now is None else now
     h = health(state)
-    checks = [_integrity(h), _band(state), _coverage(state, h), _freshness(h, now)]
+    checks = [_integrity(alarm), _band(state), _coverage(state, h), _freshness(h, now)]
     return Summary(tuple(checks))
 
 
-def _integrity(h: Health) -> Check:
-    if not h.alarm:
+def _integrity(alarm: Alarm) -> Check:
+    scope = alarm.settings.describe()
+    acked = f"; {alarm.acknowledged:,} acknowledged" if alarm.acknowledged else ""
+    if alarm.error:
         return Check(
-            "integrity", "ok", "integrity: no KV mismatch, no aborted admission, no lost record"
+            "integrity",
+            "alarm",
+            f"INTEGRITY UNKNOWN: the journal cannot be read ({alarm.error}); it may hold incidents",
+        )
+    if not alarm.raised:
+        return Check(
+            "integrity",
+            "ok",
+            f"integrity: no unacknowledged incident, no lost record ({scope}){acked}",
         )
     parts = []
-    if h.mismatches:
-        by = ", ".join(f"{d} {v:,.0f}" for d, v in sorted(h.mismatches.items()))
-        parts.append(f"{sum(h.mismatches.values()):,.0f} KV mismatch(es) ({by})")
-    if h.aborted_admissions:
-        parts.append(f"{h.aborted_admissions:,.0f} aborted request(s) admitted")
-    if h.lost_records:
-        parts.append(f"{h.lost_records:,.0f} spool record(s) lost")
+    if alarm.open:
+        counts = alarm.counts
+        parts.append(
+            f"{counts['affected']:,} affected request(s), {counts['exposed']:,} exposed request(s)"
+        )
+    if alarm.lost_records:
+        parts.append(f"{alarm.lost_records:,} spool record(s) lost")
     return Check(
         "integrity",
         "alarm",
-        "INTEGRITY ALERT: " + ", ".join(parts) + "; see kvwatch incidents --exposed",
+        f"INTEGRITY ALERT: {', '.join(parts)} ({scope}){acked}; see kvwatch incidents "
+        "--exposed, then kvwatch ack",
     )
 
 
-def _band(state: State) -> Check:
-    latest, _ = engine_views(state)
+def _band_line(role: str, engine: str, pool: float, context: float) -> str:
+    share = (context - pool) / context
+    return (
+        f"unsafe band on {role} ({engine}): prompts of {pool + 1:,.0f} to "
+        f"{context:,.0f} tokens ({share:.0%} of the window) pass the context check but "
+        "do not fit the KV pool; lower the context length or grow the pool"
+    )
+
+
+def _worst_band(rows: Iterable[tuple[tuple[str, ...], dict[str, float]]]) -> str | None:
     worst: tuple[float, str] | None = None
-    for (role, engine, _model, _rank, _source), gauges in latest.items():
+    for (role, engine, *_rest), gauges in rows:
         pool = gauges.get("kv_pool_tokens", 0.0)
         context = gauges.get("context_length_tokens", 0.0)
         if context > pool > 0:
             share = (context - pool) / context
-            line = (
-                f"unsafe band on {role} ({engine}): prompts of {pool + 1:,.0f} to "
-                f"{context:,.0f} tokens ({share:.0%} of the window) pass the context check but "
-                "do not fit the KV pool; lower the context length or grow the pool"
-            )
             if worst is None or share > worst[0]:
-                worst = (share, line)
-    if worst is None:
+                worst = (share, _band_line(role, engine, pool, context))
+    return None if worst is None else worst[1]
+
+
+def stale_views(state: State) -> list[tuple[tuple[str, ...], dict[str, float]]]:
+    """The last pool and context gauges of engines that are gone (retired producers), newest
+    first: what the band was when no engine reports any more."""
+    with state.lock:
+        gone = sorted(
+            (p for p in state.producers.values() if p.retired and p.gauges),
+            key=lambda p: -p.last_ts,
+        )
+        return [
+            ((p.role or "-", p.engine or "-", p.model, str(p.rank), "hooks, stale"), dict(p.gauges))
+            for p in gone
+        ]
+
+
+def _band(state: State) -> Check:
+    """The unsafe band is a critical condition (the KVPoolSmallerThanContext rule pages
+    critical): an alarm here too."""
+    latest, _ = engine_views(state)
+    reporting = [(k, g) for k, g in latest.items() if g.get("context_length_tokens")]
+    line = _worst_band(reporting)
+    if line is not None:
+        return Check("unsafe_band", "alarm", line)
+    if reporting:
         return Check("unsafe_band", "ok", "every reporting engine's pool holds its context")
-    return Check("unsafe_band", "warning", worst[1])
+    stale = _worst_band(stale_views(state))
+    if stale is not None:
+        return Check(
+            "unsafe_band",
+            "warning",
+            "no reporting engine; the last one that reported had an "
+            + stale
+            + " (stale: the engine is gone)",
+        )
+    # Not a warning of its own: coverage says no producer is live.
+    return Check("unsafe_band", "ok", "no reporting engine: no pool or context length to check")
 
 
 def _coverage(state: State, h: Health) -> Check:
@@ -213,9 +374,14 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _pool_chart(rows: list[tuple[tuple[str, ...], dict[str, float]]]) -> str:
+def _pool_chart(rows: list[tuple[tuple[str, ...], dict[str, float]]], stale: bool = False) -> str:
     if not rows:
         return '<p class="empty">No engine has reported its KV pool yet.</p>'
+    if stale:
+        return (
+            '<p class="empty">No engine reports its KV pool now. Last known (stale: these '
+            "engines are gone):</p>" + _pool_chart(rows)
+        )
     scale = max(max(g.get("kv_pool_tokens", 0), g.get("context_length_tokens", 0)) for _, g in rows)
     scale = scale or 1.0
     width, bar = 720.0, 18
@@ -254,7 +420,7 @@ def _pool_chart(rows: list[tuple[tuple[str, ...], dict[str, float]]]) -> str:
     return "\n".join(parts)
 
 
-def _incidents_table(incidents: list[dict[str, Any]], error: str | None) -> str:
+def _incidents_table(incidents: list[dict[str, Any]], error: str | None, acks: list[AckRow]) -> str:
     if error:
         return f'<p class="bad">The journal could not be read: {_e(error)}</p>'
     if not incidents:
@@ -262,19 +428,20 @@ def _incidents_table(incidents: list[dict[str, Any]], error: str | None) -> str:
     head = "".join(
         f"<th>{h}</th>"
         for h in (
-            "time (UTC)", "node", "role", "engine", "request", "detector", "kind", "sources",
-            "pages",
+            "id", "first seen (UTC)", "node", "role", "engine", "request", "findings",
+            "exposed", "pages", "acknowledged",
         )
     )  # fmt: skip
     rows = []
     for inc in incidents:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(inc["time"]))
-        pages = ",".join(str(p) for p in inc["pages"][:16])
-        if inc["pages_total"] > 16:
-            pages += f" (+{inc['pages_total'] - 16})"
-        cells = (when, inc["node"], inc["role"], inc["engine"], inc["request_id"],
-                 inc["detector"], inc["kind"], exposed_count(inc), pages)  # fmt: skip
-        rows.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
+        findings = ", ".join(f"{f['role']} {f['detector']} {f['kind']}" for f in inc["findings"])
+        ack = acknowledgement(acks, inc)
+        acked = f"by {ack.by} at {time.strftime('%H:%M:%S', time.gmtime(ack.ts))}" if ack else "no"
+        cells = (inc["id"], when, inc["node"], inc["role"], inc["engine"], inc["request_id"],
+                 findings, inc["exposed"], inc["pages_total"], acked)  # fmt: skip
+        cls = ' class="acked"' if ack else ""
+        rows.append(f"<tr{cls}>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
     return f'<table id="incident-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
@@ -284,9 +451,10 @@ def _latest_sources(incidents: list[dict[str, Any]]) -> str:
         return '<p class="empty">No incidents in the journal.</p>'
     latest = incidents[0]
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(latest["time"]))
+    detectors = ", ".join(latest["detectors"])
     said = (
         f"<p>Request <b>{_e(latest['request_id'])}</b> on {_e(latest['node']) or '-'} "
-        f"({_e(latest['role'])}, {_e(latest['detector'])} {_e(latest['kind'])}, {_e(when)})"
+        f"(incident {_e(latest['id'])}, {_e(latest['role'])}, {_e(detectors)}, {_e(when)})"
     )
     if not latest["sources"] and not latest["other_sources"]:
         return said + " named no sources: the detector cannot tell whose data the pages held.</p>"
@@ -301,7 +469,7 @@ def _latest_sources(incidents: list[dict[str, Any]]) -> str:
             f" {latest['other_source_pages']:,} page(s)</li>"
         )
     return (
-        f"{said} received the KV of {exposed_count(latest):,} other request(s):</p>"
+        f"{said} received the KV of {latest['exposed']:,} other request(s):</p>"
         f'<ul id="source-list">{items}</ul>'
         "<p>All of them, for a time range: <code>kvwatch incidents --exposed --since 24h</code></p>"
     )
@@ -321,13 +489,23 @@ rect.band{fill:#d33a2c;fill-opacity:.25;stroke:#d33a2c;stroke-dasharray:4 3}
 .pool-row{margin:10px 0} .label{font-weight:600;margin-bottom:4px} .numbers{color:#444}
 table{border-collapse:collapse;width:100%} th,td{text-align:left;padding:4px 8px;
  border-bottom:1px solid #e3e6ea;font-variant-numeric:tabular-nums}
-.empty{color:#777}
+.empty{color:#777} tr.acked{color:#777}
 """
 
 
-def render(state: State, incidents: list[dict[str, Any]], error: str | None = None) -> str:
+def render(
+    state: State,
+    alarm: Alarm,
+    incidents: list[dict[str, Any]],
+    error: str | None = None,
+    *,
+    acks: list[AckRow] | None = None,
+    node: str | None = None,
+) -> str:
+    """The page. ``incidents``: the latest first (:func:`latest_incidents`)."""
     h = health(state)
-    summary = summarize(state)
+    summary = summarize(state, alarm)
+    node = node or socket.gethostname()
     checks = "".join(
         f'<li class="{c.level}" data-check="{c.name}">{_e(c.line)}</li>' for c in summary.checks
     )
@@ -339,46 +517,56 @@ def render(state: State, incidents: list[dict[str, Any]], error: str | None = No
     )
     latest, _info = engine_views(state)
     rows = sorted(latest.items())
+    stale = "" if rows else _pool_chart(stale_views(state)[:4], stale=True)
+    counts = alarm.counts
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="{REFRESH_SECONDS}">
-<title>kvwatch · {_e(socket.gethostname())}</title><style>{STYLE}</style></head>
+<title>kvwatch · {_e(node)}</title><style>{STYLE}</style></head>
 <body>
-<header>kvwatch {_e(__version__)} on <b>{_e(socket.gethostname())}</b> ·
+<header>kvwatch {_e(__version__)} on node <b id="node">{_e(node)}</b> ·
  page made {time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())} ·
  <a href="/metrics">/metrics</a></header>
 <section id="state" class="{summary.level}">
 <h1>{_e(summary.headline)}</h1>
 <ul id="checks">{checks}</ul>
-<div>mismatches by detector: <span id="by-detector">{_e(by_detector)}</span> ·
+<div>alarm ({_e(alarm.settings.describe())}): <span id="affected">{counts["affected"]:,}</span>
+ affected request(s), <span id="exposed-count">{counts["exposed"]:,}</span> exposed
+ request(s), <span id="acknowledged">{alarm.acknowledged:,}</span> acknowledged ·
+ mismatches by detector (counters): <span id="by-detector">{_e(by_detector)}</span> ·
  live producers: {h.live_producers} · last record: {_e(last)} ·
  rejected records: {h.rejected_records:,.0f}</div>
 </section>
 <section id="pools"><h2>KV pool against context length</h2>
 <p>Grey: the advertised context. Blue: the KV pool. Red: the unsafe band, prompts long enough to
 pass the context check that the pool cannot hold.</p>
-{_pool_chart(rows)}
+{_pool_chart(rows) if rows or not stale else ""}
+{stale}
 </section>
 <section id="exposed"><h2>Exposed by the latest incident</h2>
 {_latest_sources(incidents) if not error else ""}
 </section>
-<section id="incidents"><h2>Latest incidents</h2>
-{_incidents_table(incidents, error)}
+<section id="incidents"><h2>Latest incidents (affected requests)</h2>
+{_incidents_table(incidents, error, acks or [])}
 </section>
 </body></html>
 """
 
 
-def latest_incidents(journal_path: str | Path) -> tuple[list[dict[str, Any]], str | None]:
-    """The newest incidents, read through a read-only connection of this request's own."""
+def latest_incidents(
+    journal_path: str | Path,
+) -> tuple[list[dict[str, Any]], list[AckRow], str | None]:
+    """The newest incidents (latest first) and the acknowledgements, read through a read-only
+    connection of this request's own."""
     try:
         journal = Journal(journal_path, readonly=True)
     except (JournalError, OSError) as exc:
-        return [], str(exc)
+        return [], [], str(exc)
     try:
-        return journal.incidents()[-LATEST_INCIDENTS:][::-1], None
+        grouped = incident_model.group(journal.incidents())
+        return grouped[-LATEST_INCIDENTS:][::-1], journal.acks(), None
     except Exception as exc:  # the page must render even when the journal cannot be read
-        return [], str(exc)
+        return [], [], str(exc)
     finally:
         journal.close()
 
@@ -395,6 +583,9 @@ def make_app(
     state: State,
     journal_path: str | Path,
     ready: Callable[[], bool] = lambda: True,
+    *,
+    settings: AlarmSettings | None = None,
+    node: str | None = None,
 ) -> WsgiApp:
     """The four paths (module docstring); 404 for anything else."""
 
@@ -421,11 +612,15 @@ def make_app(
                 text,
                 b"404: kvwatch serves /metrics, / (status), /-/healthy and /-/ready.\n",
             )
+        alarm = read_alarm(journal_path, settings or AlarmSettings())
         if "application/json" in environ.get("HTTP_ACCEPT", ""):
-            body = json.dumps(summarize(state).as_dict(), sort_keys=True).encode()
+            summary = summarize(state, alarm).as_dict()
+            summary["integrity"] = alarm.as_dict()
+            summary["node"] = node or socket.gethostname()
+            body = json.dumps(summary, sort_keys=True).encode()
             return _reply(start_response, "200 OK", "application/json", body)
-        incidents, error = latest_incidents(journal_path)
-        body = render(state, incidents, error).encode()
+        incidents, acks, error = latest_incidents(journal_path)
+        body = render(state, alarm, incidents, error, acks=acks, node=node).encode()
         return _reply(start_response, "200 OK", "text/html; charset=utf-8", body)
 
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -50,3 +51,17 @@ def test_make_demo_prints_the_disclosure_view_after_the_leak() -> None:
     assert "READERS: requests that received other requests' KV" in shown
     assert "SOURCES: requests whose KV was received" in shown
     assert " reader(s), " in shown and " named source(s) and " in shown
+    # One leaking request: one incident, and the same affected and exposed counts in the list,
+    # the disclosure view and kvwatch status.
+    listing = out[out.index("== kvwatch incidents (what") : view]
+    found = re.search(r"(\d+) exposed request\(s\), (\d+) incident\(s\)", listing)
+    assert found and found[2] == "1", listing
+    exposed = found[1]
+    assert f"1 incident(s) (affected requests), {exposed} exposed request(s)" in shown
+    status = out[out.index("== kvwatch status") :]
+    assert f"INTEGRITY ALERT: 1 affected request(s), {exposed} exposed request(s)" in status
+    # One page per alert group: the pool alert (hooks and log series) and the leak's five
+    # detector alerts each print once.
+    assert out.count("PAGE  KVPoolSmallerThanContext") == 1
+    assert out.count("PAGE  KVIntegrityMismatch") == 1
+    assert f"received the KV of {exposed} other request(s)" in out

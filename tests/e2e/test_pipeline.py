@@ -122,5 +122,60 @@ def test_status_page_and_incidents_show_the_leak(stack: Stack, tmp_path: Path) -
          "--json"],
         capture_output=True, text=True, check=True, cwd=REPO,
     )  # fmt: skip
-    detectors = {row["detector"] for row in json.loads(listing.stdout)}
+    detectors = {d for row in json.loads(listing.stdout) for d in row["detectors"]}
     assert {"canary", "checksum", "page_tag"} <= detectors
+
+
+def test_one_leak_is_one_incident_with_the_same_counts_everywhere(stack: Stack) -> None:
+    """make demo's pipeline after the leak: the status page, ``kvwatch status --json``,
+    ``kvwatch incidents --json`` and ``--exposed --json`` count the same affected and exposed
+    requests (one leaking request: one incident), under one node name; and the leak paged
+    once per alert group."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvwatch.cli", *args],
+            capture_output=True, text=True, check=False, cwd=REPO,
+        )  # fmt: skip
+        assert done.returncode in (0, 4), done.stderr  # 4: status's alarm
+        return done.stdout
+
+    with urllib.request.urlopen(stack.daemon_url + "/", timeout=10) as reply:
+        page = reply.read().decode()
+    on_page = (
+        int(re.search(r'<span id="affected">([\d,]+)</span>', page)[1]),  # type: ignore[index]
+        int(re.search(r'<span id="exposed-count">([\d,]+)</span>', page)[1]),  # type: ignore[index]
+    )
+    status = json.loads(cli("status", "--url", stack.daemon_url, "--json"))
+    in_status = (status["integrity"]["affected"], status["integrity"]["exposed"])
+    listed = json.loads(cli("incidents", "--journal", str(stack.journal), "--json"))
+    sources = {(i["node"], s["request_id"], s["instance"]) for i in listed for s in i["sources"]}
+    in_list = (len(listed), len(sources) + sum(i["other_sources"] for i in listed))
+    view = json.loads(cli("incidents", "--exposed", "--json", "--journal", str(stack.journal)))
+    in_view = (view["counts"]["incidents"], view["counts"]["exposed"])
+    assert on_page == in_status == in_list == in_view, (on_page, in_status, in_list, in_view)
+    assert in_list[0] == 1 and in_list[1] >= 1  # one leaking request, its sources
+    assert len(view["readers"]) == 1 and len(view["sources"]) == in_list[1]
+    # One node name: the journal's, the status page's and the alert's (the scrape label).
+    assert {i["node"] for i in listed} == {NODE} and status["node"] == NODE
+    assert f'id="node">{NODE}<' in page
+    # One page per alert group: Alertmanager's groups (group_by: alertname, node) of the leak.
+    assert stack.webhook is not None
+    groups = {
+        note.payload.get("groupKey")
+        for note in stack.webhook.notifications
+        for alert in note.alerts()
+        if alert["labels"]["alertname"] == "KVIntegrityMismatch" and alert["status"] == "firing"
+    }
+    assert len(groups) == 1, groups
+    # Every alert of the group states the node's exposed requests: the same number.
+    described = {
+        alert["annotations"]["description"].split("received the KV of ")[1].split(" ")[0]
+        for note in stack.webhook.notifications
+        for alert in note.alerts()
+        if alert["labels"]["alertname"] == "KVIntegrityMismatch" and alert["status"] == "firing"
+    }
+    assert described <= {str(in_list[1]), "0"}, described

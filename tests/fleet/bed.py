@@ -231,7 +231,7 @@ class Producer:
             spool, engine=ENGINE, role=role, model=MODEL, engine_version=VERSION
         )
         # Each simulated node is a host of its own: the hello record names it (as the host name
-        # does on a real node), and the journals and incidents logs carry it.
+        # does on a real node); the journals and incidents logs carry the daemon's node setting.
         self.writer.identity["node"] = node
         self.verifications = 0
         self.mismatches = 0
@@ -383,11 +383,13 @@ class Fleet:
             name = f"node-{i}"
             directory = self.workdir / name
             directory.mkdir()
-            extra = []
+            # Each simulated node is a host of its own: its daemon's node setting names it.
+            config = directory / "kvwatch.toml"
             if self.fast_path:
-                config = directory / "kvwatch.toml"
                 config.write_text(daemon_config(self.intervals, name, self.alertmanagers))
-                extra = ["--config", str(config)]
+            else:
+                config.write_text(f"node = {json.dumps(name)}\n")
+            extra = ["--config", str(config)]
             daemon = DaemonProcess(
                 directory, "--no-nvml", "--poll-interval", "0.2s", "--log-format", "json",
                 *extra,

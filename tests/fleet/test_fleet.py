@@ -247,7 +247,7 @@ def test_kvwatch_incidents_lists_every_leak_of_the_fleet_with_its_node(
         assert out.returncode == 0, out.stderr
         rows = json.loads(out.stdout)
         listed = {(row["node"], row["request_id"]) for row in rows}
-        assert all(row["role"] == "decode" and row["detector"] == "canary" for row in rows)
+        assert all(row["role"] == "decode" and row["detectors"] == ["canary"] for row in rows)
         return listed == want
 
     fleet.until(f"kvwatch incidents {source} x 8 lists the 4 leaks", complete, 15)

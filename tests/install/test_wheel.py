@@ -58,8 +58,9 @@ def test_daemon_from_the_wheel(plain: Path, empty: Path) -> None:
 
     spool = empty / "spool"
     spool.mkdir()
-    producer = Producer(spool)
-    producer.append(producer.hello(), producer.counters(5, mismatches=1))
+    # An incident now (the integrity alarm covers the last 5 minutes' incidents).
+    producer = Producer(spool, t0=time.time())
+    producer.append(producer.hello(), producer.counters(5, mismatches=1), producer.event("r"))
     log = empty / "daemon.log"
     with log.open("w") as out:
         proc = subprocess.Popen(

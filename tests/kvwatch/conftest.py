@@ -31,4 +31,7 @@ def state(journal: Journal) -> State:
 
 @pytest.fixture
 def reader(spool: Path, journal: Journal, state: State) -> SpoolReader:
-    return SpoolReader(spool, journal, state, idle_grace=3600.0, quarantine_dir=spool / "q")
+    # The daemon's node (its setting): spoolgen's producers say the same in their hello.
+    return SpoolReader(
+        spool, journal, state, idle_grace=3600.0, quarantine_dir=spool / "q", node="node-a"
+    )

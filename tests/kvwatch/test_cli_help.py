@@ -34,7 +34,7 @@ COMMANDS = commands()
 
 def test_every_command_is_covered() -> None:
     assert set(COMMANDS) == {
-        "spool", "daemon", "incidents", "check-logs", "status", "export", "probe",
+        "spool", "daemon", "incidents", "check-logs", "status", "ack", "export", "probe",
         "dashboards push",
     }  # fmt: skip
 
@@ -80,6 +80,6 @@ def test_incidents_help_names_the_fleet_and_disclosure_options() -> None:
     text = " ".join(COMMANDS["incidents"].format_help().split())
     for words in (
         "--journal FILE", "repeatable", "--incidents-log FILE", "FILE.1, FILE.2", "--until WHEN",
-        "--exposed", "the disclosure view", "format v1", "listed once",
+        "--exposed", "the disclosure view", "format v2", "listed once",
     ):  # fmt: skip
         assert words in text, words

@@ -132,11 +132,11 @@ def test_daemon_end_to_end(daemon: DaemonProcess, tmp_path: Path) -> None:
         "--since",
         "1h",
     )
-    rows = json.loads(as_json.stdout)
-    assert [(r["request_id"], r["kind"], r["role"]) for r in rows] == [
+    rows = json.loads(as_json.stdout)  # incidents, each with its (matching) findings
+    assert [(r["request_id"], r["findings"][0]["kind"], r["role"]) for r in rows] == [
         ("req-1", "digest", "decode")
     ]
-    assert rows[0]["pages"][:2] == [10, 11] and rows[0]["pages_total"] == 300
+    assert rows[0]["findings"][0]["pages"][:2] == [10, 11] and rows[0]["pages_total"] == 300
     none = kvwatch("incidents", "--journal", str(daemon.journal), "--since", "0s")
     assert "0 incident(s)" in none.stdout
 

@@ -184,20 +184,22 @@ def test_status_command_against_the_daemon(tmp_path: Path) -> None:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: "unsafe band" in get(url + "/", accept="application/json")[2])
         plain = kvwatch("status", "--url", url)
-        assert plain.returncode == 3, plain.stderr  # warning
+        # The band is critical (KVPoolSmallerThanContext pages critical): an alarm here too.
+        assert plain.returncode == 4, plain.stderr
         first = plain.stdout.splitlines()[0]
-        assert first.startswith("WARNING: ") and "\x1b[" not in plain.stdout
+        assert first.startswith("ALARM: ") and "\x1b[" not in plain.stdout
         assert "unsafe band on prefill (sglang): prompts of 681,281 to 1,048,576" in plain.stdout
         coloured = kvwatch("status", "--url", url, "--color", "always")
-        assert "\x1b[33m" in coloured.stdout
+        assert "\x1b[1;31m" in coloured.stdout
         machine = kvwatch("status", "--url", url, "--json")
         summary = json.loads(machine.stdout)
         levels = {c["name"]: c["level"] for c in summary["checks"]}
-        assert levels["unsafe_band"] == "warning" and levels["integrity"] == "ok"
+        assert levels["unsafe_band"] == "alarm" and levels["integrity"] == "ok"
+        assert summary["integrity"]["affected"] == 0 and summary["node"]
         # The default URL comes from the config's listen (":PORT" is reached on loopback).
         config = tmp_path / "kvwatch.toml"
         config.write_text(f'listen = ":{port}"\n')
-        assert kvwatch("status", "--config", str(config)).returncode == 3
+        assert kvwatch("status", "--config", str(config)).returncode == 4
         t0 = time.monotonic()
         assert "\x1b[" in status_on_a_terminal(url)
         assert "\x1b[" not in status_on_a_terminal(url, NO_COLOR="1")

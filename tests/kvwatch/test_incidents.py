@@ -28,7 +28,7 @@ def _node(
     journal = Journal(path)
     p = Producer(spool, f"sglang-decode-r0-1-{name}", node=node)
     p.append(p.hello(), *(p.event(request, **options) for request, options in frames))
-    SpoolReader(spool, journal, journal.load(), idle_grace=3600.0).poll()
+    SpoolReader(spool, journal, journal.load(), idle_grace=3600.0, node=node).poll()
     journal.close()
     return path
 
@@ -63,14 +63,14 @@ def fleet(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_the_disclosure_view_names_readers_sources_and_pages(fleet: tuple[Path, Path]) -> None:
-    rows = incidents.merge(Journal(p, readonly=True).incidents() for p in fleet)
+    rows = incidents.group(incidents.merge(Journal(p, readonly=True).incidents() for p in fleet))
     view = incidents.exposure(rows, since=None, until=None)
     assert view["v"] == incidents.EXPOSED_VERSION
     readers = {(r["node"], r["request_id"]): r for r in view["readers"]}
     assert set(readers) == {("node-a", "req-17"), ("node-b", "req-99")}  # not the clean one
     req17 = readers[("node-a", "req-17")]
     assert req17["role"] == "decode" and req17["engine"] == "sglang"
-    assert req17["incidents"] == 2 and req17["detectors"] == ["canary", "checksum"]
+    assert req17["findings"] == 2 and req17["detectors"] == ["canary", "checksum"]
     assert req17["sources"] == [
         {"request_id": "alice", "instance": "alice#1", "pages": 5},
         {"request_id": "bob", "instance": None, "pages": 2},
@@ -83,7 +83,8 @@ def test_the_disclosure_view_names_readers_sources_and_pages(fleet: tuple[Path, 
     ]
     assert sources[("node-b", "bob")]["pages"] == 1
     assert view["counts"] == {
-        "incidents": 3,
+        "incidents": 3,  # req-17 (two findings), clean-finding, req-99
+        "exposed": 3 + 3,
         "readers": 2,
         "sources": 3,
         "unnamed_sources": 3,
@@ -107,24 +108,24 @@ def test_cli_merges_journals_and_logs_once_and_filters_by_time(
     )
     assert merged.returncode == both.returncode == 0, merged.stderr + both.stderr
     rows = json.loads(merged.stdout)
-    assert [(r["node"], r["request_id"]) for r in rows] == [  # by time, then node
-        ("node-a", "req-17"),
-        ("node-b", "req-99"),
-        ("node-a", "req-17"),
-        ("node-a", "clean-finding"),
+    # One incident per affected request, by first finding's time, then node.
+    assert [(r["node"], r["request_id"], len(r["findings"])) for r in rows] == [
+        ("node-a", "req-17", 2),
+        ("node-b", "req-99", 1),
+        ("node-a", "clean-finding", 1),
     ]
-    assert "4 incident(s)" in both.stdout and "node-b" in both.stdout
+    assert "4 finding(s), 6 exposed request(s), 3 incident(s)" in both.stdout
+    assert "node-b" in both.stdout
     header = both.stdout.splitlines()[0].split()
-    assert "SOURCES" in header
+    assert "EXPOSED" in header and "ID" in header
     # --since/--until: record i of each node has ts T0 + i.
     window = run_cli(
         "incidents", "--journal", str(a), "--journal", str(b), "--json",
         "--since", _iso(T0 + 2), "--until", _iso(T0 + 3.5),
     )  # fmt: skip
-    assert [(r["node"], r["seq"]) for r in json.loads(window.stdout)] == [
-        ("node-a", 2),
-        ("node-b", 2),
-        ("node-a", 3),
+    assert [(r["node"], [f["seq"] for f in r["findings"]]) for r in json.loads(window.stdout)] == [
+        ("node-a", [2, 3]),
+        ("node-b", [2]),
     ]
 
 
@@ -136,10 +137,13 @@ def test_cli_exposed_view_text_and_json(fleet: tuple[Path, Path]) -> None:
     assert "READERS" in out and "SOURCES" in out
     assert "alice (5), bob (2), +3 more" in out
     assert "req-17 (5)" in out  # alice's reader
-    assert "2 reader(s), 3 named source(s) and 3 unnamed, 14 page(s), from 3 incident(s)" in out
+    assert (
+        "2 reader(s), 3 named source(s) and 3 unnamed, 14 page(s);"
+        " 3 incident(s) (affected requests), 6 exposed request(s)"
+    ) in out
     data = run_cli("incidents", "--exposed", "--json", "--journal", str(a), "--since", "3650d")
     view = json.loads(data.stdout)
-    assert view["v"] == 1 and view["counts"]["readers"] == 1 and view["since"] is not None
+    assert view["v"] == 2 and view["counts"]["readers"] == 1 and view["since"] is not None
 
 
 @pytest.mark.parametrize(
@@ -191,3 +195,78 @@ def test_text_views_escape_control_characters(tmp_path: Path) -> None:
     assert len([line for line in exposed.splitlines() if line.startswith("a\\x1b")]) == 1
     data = json.loads(run_cli("incidents", "--json", "--journal", str(path)).stdout)
     assert data[0]["node"] == node and data[0]["request_id"] == "h-ctrl\x1b[31m"
+
+
+def _finding(**fields: Any) -> dict[str, Any]:
+    row = {
+        "id": 1, "time": T0, "node": "n", "role": "decode", "engine": "minipd",
+        "engine_version": "1", "model": "m", "rank": 0, "producer": "p", "seq": 1,
+        "request_id": "req-1", "instance": "i-1", "detector": "canary",
+        "kind": "unwritten_page", "mode": "log", "action": "logged", "pages": [1],
+        "pages_total": 1, "detail": {}, "sources": [], "other_sources": 0,
+        "other_source_pages": 0,
+    }  # fmt: skip
+    row.update(fields)
+    return row
+
+
+def test_one_incident_per_affected_request_instance() -> None:
+    """The prefill side's admission finding, decode's admission check and decode's reader
+    findings of one request (three instances, as minipd mints them) are one incident with the
+    reader's sources counted once; a reused id that repeats a finding from a new instance, or
+    comes after the join window, is another incident."""
+    a, b = _src("alice", 5, "a#1"), _src("bob", 2)
+    rows = [
+        _finding(id=1, role="prefill", producer="pre", instance="x-1", detector="admission",
+                 kind="aborted_admitted"),
+        _finding(id=2, time=T0 + 0.01, instance="x-12", detector="admission",
+                 kind="aborted_admitted"),
+        _finding(id=3, time=T0 + 0.02, instance="x-11", sources=[{**a, "written_at": T0}]),
+        _finding(id=4, time=T0 + 0.03, instance="x-11", detector="page_tag", kind="stale_tag",
+                 sources=[{**a, "written_at": T0}, {**b, "written_at": T0}]),
+        # The id reused by the client: the same finding from a new instance.
+        _finding(id=5, time=T0 + 1, instance="x-20", sources=[{**b, "written_at": T0}]),
+        # And again, long after.
+        _finding(id=6, time=T0 + incidents.JOIN_SECONDS + 30, instance="x-30", detector="checksum",
+                 kind="digest"),
+        # Another node's request of the same id is another request.
+        _finding(id=7, time=T0 + 0.02, node="other", instance="x-11"),
+    ]  # fmt: skip
+    grouped = incidents.group(sorted(rows, key=lambda r: (r["time"], r["id"])))
+    assert [(i["node"], [f["id"] for f in i["findings"]]) for i in grouped] == [
+        ("n", [1, 2, 3, 4]),
+        ("other", [7]),
+        ("n", [5]),
+        ("n", [6]),
+    ]
+    first = grouped[0]
+    assert first["id"] == 1 and first["role"] == "decode" and first["instance"] == "x-11"
+    assert first["roles"] == ["prefill", "decode"]
+    assert [s["request_id"] for s in first["sources"]] == ["alice", "bob"]
+    assert first["exposed"] == 2
+    # bob is exposed to two incidents on node n: one exposed request.
+    assert incidents.counts(grouped) == {"affected": 4, "exposed": 2}
+    view = incidents.exposure(grouped, since=None, until=None)
+    assert view["counts"]["incidents"] == 4 and view["counts"]["exposed"] == 2
+    assert view["counts"]["readers"] == 2 and view["counts"]["sources"] == 2
+
+
+def test_the_exposed_counter_counts_each_source_once_per_incident(
+    spool: Path, reader: SpoolReader
+) -> None:
+    """``kvwatch_exposed_requests_total`` (what KVIntegrityMismatch's description states) counts
+    as ``kvwatch incidents`` does: three findings of one request naming alice and bob count them
+    once; another request exposed to alice counts her again (another incident)."""
+    alice, bob = _src("alice", 3, "a#1"), _src("bob", 1)
+    p = Producer(spool)
+    p.append(
+        p.hello(),
+        p.event("r", sources=[alice, bob]),
+        p.event("r", detector="checksum", kind="digest", sources=[alice], other_sources=2),
+        p.event("r", detector="page_tag", kind="stale_tag", sources=[bob], other_sources=1),
+        p.event("other", sources=[alice]),
+    )
+    reader.poll()
+    assert reader.state.daemon[("exposed_requests", ("decode",))] == 2 + 2 + 1
+    grouped = incidents.group(reader.journal.incidents())
+    assert [i["exposed"] for i in grouped] == [4, 1]

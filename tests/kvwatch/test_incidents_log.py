@@ -21,7 +21,7 @@ from tests.kvwatch.writer import spool_module
 
 def _events(spool: Path, journal: Journal, count: int, *, node: str = "node-a") -> None:
     state = journal.load()
-    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0, node=node)
     p = Producer(spool, f"sglang-decode-r0-1-{node}", node=node)
     frames = [p.hello()]
     for i in range(count):
@@ -106,7 +106,7 @@ def test_a_crash_before_the_mark_is_stored_does_not_repeat_lines(
     p = Producer(spool, "sglang-decode-r0-1-node-a", node="node-a")
     p.seq = 6
     p.append(p.event("late"))
-    SpoolReader(spool, journal, state, idle_grace=3600.0).poll()
+    SpoolReader(spool, journal, state, idle_grace=3600.0, node="node-a").poll()
     assert restarted.drain(journal) == 1
     assert [line["request_id"] for line in _lines(path)][-1] == "late"
 

@@ -184,12 +184,13 @@ def test_a_row_of_the_wrong_width_fails_the_whole_commit(journal: Journal) -> No
 
 def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal) -> None:
     """The reader builds incident rows as plain tuples in IncidentRow's order (for speed): each
-    field must land in its own column, ``instance`` included."""
+    field must land in its own column, ``instance`` included. The node is the daemon's (its
+    ``node`` setting: what Prometheus and the pages call it), not the engine's host name."""
     state = journal.load()
-    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0, node="node-b")
     p = Producer(
         spool, "vllm-prefill-r3-7-abcd0001", role="prefill", engine="vllm", model="llama",
-        version="0.33.0", rank=3, node="node-b",
+        version="0.33.0", rank=3, node="engine-host-7",
     )  # fmt: skip
     hello = p.hello()
     event = p.record(
@@ -264,7 +265,7 @@ def test_a_schema_1_journal_is_migrated(tmp_path: Path) -> None:
     state = journal.load()
     assert state.producers["p"].node == "node-a"
     assert state.hook_counter_totals()[("kvwatch_verifications", ("canary", "decode"))] == 3
-    assert journal.scalar("SELECT value FROM meta WHERE key = 'schema'") == "3"
+    assert journal.scalar("SELECT value FROM meta WHERE key = 'schema'") == "4"
     assert row["sources"] == [] and row["other_sources"] == 0
     journal.close()
 
@@ -332,6 +333,13 @@ def test_a_schema_2_journal_reads_and_migrates(tmp_path: Path) -> None:
     assert old["sources"] == [] and old["other_sources"] == 0 and old["pages"] == [1, 2]
     readonly.close()
     journal = Journal(path)
-    assert journal.meta("schema") == "3"
+    assert journal.meta("schema") == "4"
     assert journal.incidents() == [old]
     journal.close()
+    # Migrated in place to schema 4: acknowledgements can be stored and read back.
+    from kvwatch.journal import AckRow, acknowledge
+
+    acknowledge(path, AckRow(2.0, "alice", 7, incident=7))
+    readonly = Journal(path, readonly=True)
+    assert readonly.acks() == [AckRow(2.0, "alice", 7, 7, None, None)]
+    readonly.close()

@@ -173,7 +173,7 @@ def test_templates_render_like_prometheus_and_refuse_the_unknown() -> None:
         for text in alert.annotations.values():
             assert "{{" not in render(text, labels, 1.0, context)
     mismatch = next(a for a in fast_alerts() if a.name == "KVIntegrityMismatch")
-    assert "exposed the KV of 7 request(s)" in render(mismatch.description, labels, 1.0, {
+    assert "received the KV of 7 other request(s)" in render(mismatch.description, labels, 1.0, {
         "exposed_requests": 7.0
     })  # fmt: skip
 

@@ -13,11 +13,20 @@ import time
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
+from kvwatch.journal import Journal
 from kvwatch.spool_reader import SpoolReader
 from kvwatch.state import State
-from kvwatch.statuspage import STALE_SECONDS, summarize
+from kvwatch.statuspage import STALE_SECONDS, Alarm, AlarmSettings, Summary, alarm
+from kvwatch.statuspage import summarize as summarize_with
 from tests.kvwatch.daemonproc import REPO
 from tests.kvwatch.spoolgen import T0, Producer
+
+
+def summarize(state: State, now: float, journal: Journal | None = None) -> Summary:
+    """The summary with the integrity alarm the journal gives at ``now`` (none: no journal)."""
+    settings = AlarmSettings()
+    found = alarm(journal, settings, now) if journal is not None else Alarm(settings)
+    return summarize_with(state, found, now)
 
 
 def levels(state: State, now: float) -> dict[str, str]:
@@ -43,9 +52,9 @@ def test_clean_traffic_is_ok(spool: Path, state: State, reader: SpoolReader) -> 
     )
     producer.append(hello, clean, producer.gauges(2_000_000, 131_072))
     reader.poll()
-    summary = summarize(state, fresh(state))
+    summary = summarize(state, fresh(state), reader.journal)
     assert summary.level == "ok", summary.as_dict()
-    assert summary.headline.startswith("OK: integrity: no KV mismatch")
+    assert summary.headline.startswith("OK: integrity: no unacknowledged incident")
 
 
 def test_detector_verifying_nothing(spool: Path, state: State, reader: SpoolReader) -> None:
@@ -80,13 +89,21 @@ def test_stale_records_with_a_live_producer(spool: Path, state: State, reader: S
 def test_integrity_outranks_everything(spool: Path, state: State, reader: SpoolReader) -> None:
     producer = Producer(spool)
     producer.append(
-        producer.hello(), producer.counters(10, mismatches=3), producer.gauges(681_280, 1_048_576)
+        producer.hello(),
+        producer.counters(10, mismatches=3),
+        producer.gauges(681_280, 1_048_576),
+        producer.event("r1"),
+        producer.event("r1", detector="checksum", kind="digest"),
+        producer.event("r2", sources=[{"request_id": "alice", "pages": 2}]),
     )
     reader.poll()
-    summary = summarize(state, fresh(state))
+    summary = summarize(state, fresh(state), reader.journal)
     assert summary.level == "alarm"
-    assert levels(state, fresh(state))["unsafe_band"] == "warning"
-    assert summary.headline.startswith("ALARM: INTEGRITY ALERT: 3 KV mismatch(es) (canary 3)")
+    assert levels(state, fresh(state))["unsafe_band"] == "alarm"  # critical, as its rule
+    # Affected requests, not detector hits: r1's two findings are one incident.
+    assert summary.headline.startswith(
+        "ALARM: INTEGRITY ALERT: 2 affected request(s), 1 exposed request(s) (last 5m)"
+    ), summary.headline
 
 
 def test_an_event_without_its_counter_snapshot_still_alarms(
@@ -97,9 +114,14 @@ def test_an_event_without_its_counter_snapshot_still_alarms(
     producer = Producer(spool)
     producer.append(producer.hello(), producer.counters(10), producer.event("r"))
     reader.poll()
-    summary = summarize(state, fresh(state))
+    summary = summarize(state, fresh(state), reader.journal)
     assert summary.level == "alarm", summary.as_dict()
-    assert "1 KV mismatch(es) (canary 1)" in summary.headline
+    assert "1 affected request(s), 0 exposed request(s)" in summary.headline
+    # Out of the window (the rule's 5 minutes), the alarm ends; until acknowledged, it stays.
+    later = fresh(state) + 301
+    assert summarize(state, later, reader.journal).checks[0].level == "ok"
+    kept = alarm(reader.journal, AlarmSettings(until_ack=True), later)
+    assert kept.raised and kept.counts == {"affected": 1, "exposed": 0}
 
 
 def test_incidents_since_a_timestamp_and_by_kind(
@@ -120,7 +142,7 @@ def test_incidents_since_a_timestamp_and_by_kind(
              "--json", *args],
             cwd=REPO, capture_output=True, text=True, check=True,
         )  # fmt: skip
-        return [row["request_id"] for row in json.loads(result.stdout)]
+        return [row["request_id"] for row in json.loads(result.stdout)]  # one per incident
 
     # spoolgen's T0 is an hour ago, on a whole second: the events are at T0 + 2 s and T0 + 3 s.
     def utc(seconds: float, zone: str = "Z") -> str:

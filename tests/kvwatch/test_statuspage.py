@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from kvwatch import incidents as incident_model
 from kvwatch.state import Producer, State
-from kvwatch.statuspage import render
+from kvwatch.statuspage import Alarm, AlarmSettings, render
 from tests.kvwatch.daemonproc import REPO, DaemonProcess
 from tests.kvwatch.writer import spool_module
 
@@ -83,14 +84,17 @@ def test_render_escapes_and_draws_the_band() -> None:
             {"request_id": "alice", "instance": "alice#2", "pages": 2, "written_at": 0.0},
             {"request_id": "<b>bob</b>", "instance": None, "pages": 1, "written_at": 0.0},
         ],
-        "other_sources": 5, "other_source_pages": 9,
+        "other_sources": 5, "other_source_pages": 9, "id": 1, "producer": "d", "seq": 1,
+        "engine_version": "1", "model": "glm", "mode": "log", "action": "logged",
+        "detail": {},
     }  # fmt: skip
-    page = render(state, [incident])
+    grouped = incident_model.group([incident])
+    page = render(state, Alarm(AlarmSettings()), grouped)
     assert "<script>alert" not in page and "<b>bob" not in page
     dom = parse(page)
-    # No mismatch, but a 35% unsafe band: the headline must not say OK.
-    assert dom.ids["state"]["class"] == "warning"
-    assert "WARNING: unsafe band on prefill (sglang)" in "".join(dom.text)
+    # No open incident, but a 35% unsafe band: a critical condition (the rule pages critical).
+    assert dom.ids["state"]["class"] == "alarm"
+    assert "ALARM: unsafe band on prefill (sglang)" in "".join(dom.text)
     assert dom.pool_rows[0]["data-band"] == "367296"
     assert "35% of the window" in "".join(dom.text)
     assert "<script>alert(1)</script>" in dom.cells
@@ -99,7 +103,28 @@ def test_render_escapes_and_draws_the_band() -> None:
     text = " ".join(dom.text)
     assert "received the KV of 7 other request(s)" in text
     assert "and 5 more request(s): 9 page(s)" in text
-    assert "7" in dom.cells  # the table's sources column
+    assert "7" in dom.cells  # the table's exposed column
+    assert "no" in dom.cells  # not acknowledged
+
+
+def test_band_after_the_engine_exits_is_stale_not_ok() -> None:
+    """An engine gone: the page says no engine reports, and shows the last band as stale,
+    never "every reporting engine's pool holds its context" about no engine."""
+    state = State()
+    state.producers["p"] = Producer(
+        name="p", id=1, engine="sglang", role="prefill", model="glm", last_ts=time.time(),
+        gauges={"kv_pool_tokens": 681_280, "context_length_tokens": 1_048_576}, retired=True,
+    )  # fmt: skip
+    page = render(state, Alarm(AlarmSettings()), [])
+    dom = parse(page)
+    text = "".join(dom.text)
+    band = [t for t in dom.text if "reporting engine" in t][-1]  # the check's line
+    assert band.startswith("no reporting engine; the last one that reported had an unsafe band")
+    assert "stale" in band and "holds its context" not in text
+    assert "Last known (stale" in text and dom.pool_rows[0]["data-band"] == "367296"
+    del state.producers["p"]
+    page = render(state, Alarm(AlarmSettings()), [])
+    assert "no reporting engine: no pool or context length to check" in page
 
 
 def chromium() -> str:
@@ -157,7 +182,8 @@ def test_status_page_in_chromium(tmp_path: Path) -> None:
         assert "INTEGRITY ALERT" in "".join(dom.text)
         assert [row["data-band"] for row in dom.pool_rows] == ["367296"]
         assert {"rejected-1", "flip-3", "running-4", "reader-9"} <= set(dom.cells)
-        assert {"unwritten_page", "digest", "stale_tag"} <= set(dom.cells)
+        findings = " ".join(dom.cells)  # one row per incident, its findings in one cell
+        assert all(k in findings for k in ("unwritten_page", "digest", "stale_tag"))
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "statuspage.png"
         shot.unlink(missing_ok=True)

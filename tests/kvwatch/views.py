@@ -27,13 +27,15 @@ def render_all(state: State, journal: Journal) -> str:
         match = _SAMPLE.match(line)
         if match:
             assert math.isfinite(float(match.group(3))), line
-    rows = journal.incidents()
-    page = statuspage.render(state, rows[-20:])
+    rows = incidents.group(journal.incidents())
+    alarm = statuspage.alarm(journal, statuspage.AlarmSettings(until_ack=True))
+    page = statuspage.render(state, alarm, rows[-20:][::-1], acks=journal.acks())
     assert "<html" in page.lower()
     out = io.StringIO()
     incidents.render(rows, out, as_json=False)
     incidents.render(rows, out, as_json=True)
     assert f"{len(rows)} incident(s)" in out.getvalue()
+    incidents.exposure(rows, since=None, until=None)
     return text
 
 
