@@ -403,9 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "status",
         help="this node's verdict from the running daemon, in the terminal",
-        description="The status page's summary: the headline (the worst of integrity, unsafe "
-        "band, coverage and freshness) and one line per check. Exit 0 ok, 3 warning, 4 alarm, "
-        "1 when no daemon answers.",
+        description="The status page's summary: the headline (the worst of integrity, spool "
+        "access, unsafe band, coverage and freshness) and one line per check. Exit 0 ok, "
+        "3 warning, 4 alarm, 1 when no daemon answers.",
         examples=["kvwatch status", "kvwatch status --url http://10.0.0.7:29321 --json"],
     )
     status.add_argument(

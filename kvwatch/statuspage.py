@@ -4,7 +4,8 @@ Paths: ``/metrics`` (Prometheus), ``/`` (this page; JSON with ``Accept: applicat
 ``kvwatch status`` reads), ``/-/healthy`` (the process serves), ``/-/ready`` (the journal is
 open and the first poll committed); anything else is 404.
 
-The page: a headline that is the worst of four checks (integrity; the unsafe band; coverage: a
+The page: a headline that is the worst of five checks (integrity; spool access: segments left
+unread, by owner; the unsafe band; coverage: a
 live producer, a detector that verifies, the spool present; freshness of the last record), each
 with the line an on-call needs; pool against context for each engine role with the unsafe band
 drawn; whose KV the latest incident's reader received (its sources); the latest incidents from
@@ -20,6 +21,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,10 +114,16 @@ class Summary:
 
 
 def summarize(state: State, now: float | None = None) -> Summary:
-    """The four checks, from the daemon's state alone."""
+    """The five checks, from the daemon's state alone."""
     now = time.time() if now is None else now
     h = health(state)
-    checks = [_integrity(h), _band(state), _coverage(state, h), _freshness(h, now)]
+    checks = [
+        _integrity(h),
+        spool_access(state),
+        _band(state),
+        _coverage(state, h),
+        _freshness(h, now),
+    ]
     return Summary(tuple(checks))
 
 
@@ -137,6 +145,33 @@ def _integrity(h: Health) -> Check:
         "alarm",
         "INTEGRITY ALERT: " + ", ".join(parts) + "; see kvwatch incidents --exposed",
     )
+
+
+def spool_access(state: State) -> Check:
+    """Segments the daemon leaves unread, by owner: an alarm when findings sit in them or no
+    producer's segments are read at all (nothing on the node is verified), else a warning."""
+    with state.lock:
+        ignored = list(state.ignored.values())
+        live = state.live_producers
+    if not ignored:
+        return Check("spool_access", "ok", "every segment in the spool is read")
+    owners = Counter((i.user, i.uid, i.reason) for i in ignored)
+    parts = [
+        f"{n} spool segment(s) of {user} (uid {uid}) "
+        + ("ignored: that user may not write the spool" if why == "owner" else "unreadable")
+        for (user, uid, why), n in sorted(owners.items(), key=lambda kv: (-kv[1], kv[0]))
+    ]
+    findings = sum(i.findings for i in ignored)
+    line = "; ".join(parts)
+    if findings:
+        line += f"; {findings:,} finding(s) in them are not in the journal"
+    elif not live:
+        line += "; no producer's segments are read: nothing on this node is verified"
+    line += (
+        " (add the engines' user to the spool folder's group, which the daemon reads, "
+        "or to allowed_users; see kvwatch_spool_ignored_segments)"
+    )
+    return Check("spool_access", "alarm" if findings or not live else "warning", line)
 
 
 def _band(state: State) -> Check:
