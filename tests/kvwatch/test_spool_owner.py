@@ -3,7 +3,12 @@ that group may write the folder; anyone else's segments are left unread, and lou
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,8 @@ from kvwatch.spool_reader import SpoolReader
 from kvwatch.spoolowner import user_name
 from kvwatch.state import State
 from kvwatch.statuspage import spool_access, summarize
+from tests import anyuser
+from tests.kvwatch.daemonproc import DaemonProcess
 from tests.kvwatch.spoolgen import Producer
 
 NOBODY = 65534  # nobody, whose primary group is nogroup (65534) on Debian
@@ -121,3 +128,44 @@ def test_the_writer_gives_a_segment_the_folders_group_readable(tmp_path: Path) -
         os.umask(old)
     info = writer.segment_path.stat()
     assert info.st_gid == NOBODY and info.st_mode & 0o777 == 0o640
+
+
+@root_only
+def test_a_segment_the_daemon_cannot_open_is_named_and_alarmed() -> None:
+    """The old layout's failure: an engine's segment keeps the engine's own group, so the daemon
+    (another user) cannot open it. It must not read "no record yet"."""
+    root = Path(tempfile.mkdtemp(prefix="kvwatch-unreadable-"))
+    try:
+        root.chmod(0o755)
+        (root / "spool").mkdir(mode=0o755)
+        p = Producer(root / "spool")
+        p.append(p.hello(), p.event("x"))
+        p.path.chmod(0o600)  # root's, and nobody may read it
+        (root / "state").mkdir()
+        os.chown(root / "state", NOBODY, NOBODY)
+        daemon = DaemonProcess(
+            root,
+            "--no-nvml",
+            journal=root / "state/journal.db",
+            prefix=("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"),
+            python=str(anyuser.python()),
+        )
+        try:
+            port = daemon.wait_started()
+            url = f"http://127.0.0.1:{port}/"
+            deadline = time.monotonic() + 30
+            while 'kvwatch_spool_ignored_segments{reason="unreadable"} 1.0' not in daemon.scrape():
+                assert time.monotonic() < deadline, daemon.output()
+                time.sleep(0.1)
+            request = urllib.request.Request(url, headers={"Accept": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                summary = json.loads(reply.read())
+            assert summary["level"] == "alarm", summary
+            assert summary["headline"].startswith(
+                "ALARM: 1 spool segment(s) of root (uid 0) unreadable"
+            ), summary["headline"]
+            assert "nothing on this node is verified" in summary["headline"]
+        finally:
+            assert daemon.stop() == 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
