@@ -531,7 +531,8 @@ def _add_daemon(commands: Any) -> None:
         action="append",
         metavar="USER",
         help="user name or uid allowed to own spool segments, repeatable "
-        "(default: the daemon's own user)",
+        "(default: the daemon's own user; members of the spool folder's group are allowed "
+        "when that group may write it)",
     )
     from kvwatch.logsetup import FORMATS, LEVELS
 
