@@ -188,10 +188,13 @@ def node(users: Users, plain: Path) -> Iterator[Node]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.parametrize("setgid", [True, False], ids=["unit", "spool-not-setgid"])
 def test_engine_user_in_the_daemons_group_is_ingested(
-    node: Node, users: Users, engine: Path
+    node: Node, users: Users, engine: Path, setgid: bool
 ) -> None:
     engine_user = users.add("e", node.user)
+    if not setgid:  # a spool folder made by hand, 0770: the writer gives segments its group
+        node.spool.chmod(0o770)
     node.start()
     code, summary = node.status()
     assert code == 3 and summary["level"] == "warning", summary  # no engine yet
@@ -206,8 +209,7 @@ def test_engine_user_in_the_daemons_group_is_ingested(
     assert node.metric("kvwatch_spool_ignored_segments", reason="unreadable") == 0
     assert node.metric("kvwatch_spool_rejected_total", reason="owner") == 0
     assert "spool.open_failed" not in node.log()
-    # The segments the daemon read had the spool's group (setgid), mode 0640.
-    assert (node.spool.stat().st_mode & 0o7777) == 0o2770
+    assert (node.spool.stat().st_mode & 0o7777) == (0o2770 if setgid else 0o770)
 
 
 def test_a_user_outside_the_group_is_named_and_paged(
