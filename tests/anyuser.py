@@ -31,8 +31,8 @@ def _requirements(name: str) -> list[str]:
     """The distributions ``name`` needs, extras left out."""
     found = []
     for requirement in metadata.requires(name) or ():
-        if "extra ==" in requirement.replace('extra=="', 'extra == "'):
-            continue
+        if "extra" in requirement.partition(";")[2]:
+            continue  # an optional extra's
         match = _NAME.match(requirement)
         if match:
             found.append(match.group(0))
