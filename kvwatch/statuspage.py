@@ -167,10 +167,11 @@ def spool_access(state: State) -> Check:
         line += f"; {findings:,} finding(s) in them are not in the journal"
     elif not live:
         line += "; no producer's segments are read: nothing on this node is verified"
-    line += (
-        " (add the engines' user to the spool folder's group, which the daemon reads, "
-        "or to allowed_users; see kvwatch_spool_ignored_segments)"
-    )
+    fixes = {
+        "owner": "add that user to the spool folder's group or to allowed_users",
+        "unreadable": "make the spool folder setgid with the daemon's group (mode 2770)",
+    }
+    line += f" ({'; '.join(fixes[r] for r in sorted({i.reason for i in ignored}))})"
     return Check("spool_access", "alarm" if findings or not live else "warning", line)
 
 

@@ -90,6 +90,7 @@ def test_a_foreign_segment_is_named_counted_and_alarmed(
         f"ALARM: 1 spool segment(s) of {user_name(uid)} (uid {uid}) ignored"
     ), summary.headline
     assert "1 finding(s) in them are not in the journal" in summary.headline
+    assert "add that user to the spool folder's group or to allowed_users" in summary.headline
     # Gone from the spool, gone from the page and the metrics.
     p.path.unlink()
     reader.poll()
@@ -165,6 +166,7 @@ def test_a_segment_the_daemon_cannot_open_is_named_and_alarmed() -> None:
                 "ALARM: 1 spool segment(s) of root (uid 0) unreadable"
             ), summary["headline"]
             assert "nothing on this node is verified" in summary["headline"]
+            assert "setgid with the daemon's group (mode 2770)" in summary["headline"]
         finally:
             assert daemon.stop() == 0
     finally:
