@@ -144,6 +144,14 @@ REJECT_REASON: Final = Label(
         "name": "a *.kvs file whose name is not <producer>.<index>.kvs",
     },
 )
+#: Why a segment in the spool is left unread (``kvwatch_spool_ignored_segments{reason}``).
+IGNORED_REASON: Final = Label(
+    "reason",
+    {
+        "owner": "its owner is neither in allowed_users nor in the spool folder's group",
+        "unreadable": "the daemon may not open it (its mode or group keeps the daemon out)",
+    },
+)
 #: How a post of the daemon's fast path to one Alertmanager ended
 #: (``kvwatch_alertmanager_posts_total{result}``).
 POST_RESULT: Final = Label(
@@ -309,6 +317,18 @@ DAEMON_FAMILIES: Final = (
         "kvwatch_spool_lag_bytes",
         "gauge",
         "Bytes in the spool not yet read.",
+    ),
+    Family(
+        "kvwatch_spool_ignored_segments",
+        "gauge",
+        "Segment files in the spool the daemon leaves unread, by reason: their findings are not"
+        " in the journal.",
+        ("reason",),
+    ),
+    Family(
+        "kvwatch_spool_ignored_findings",
+        "gauge",
+        "Detection events in the spool's ignored segments (those the daemon can read).",
     ),
     Family(
         "kvwatch_producers",

@@ -207,6 +207,7 @@ class SpoolWriter:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
         fd = os.open(private, flags, 0o640)
         try:
+            _share_with_spool_group(fd, path.parent)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows the file yet
             if path.exists():
                 raise FileExistsError(path)
@@ -223,3 +224,15 @@ class SpoolWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)  # also releases the flock
             self._fd = None
+
+
+def _share_with_spool_group(fd: int, directory: Path) -> None:
+    """Give a new segment the spool folder's group, readable by it (mode 0640): the daemon
+    reads the engines' segments through that group. A setgid folder (the unit's 2770) does it
+    already; this covers a folder that is not setgid and an engine whose umask drops group
+    read. Best effort: an engine outside the group keeps its own, and the daemon says so."""
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o640)
+        gid = os.stat(directory).st_gid
+        if os.fstat(fd).st_gid != gid:
+            os.fchown(fd, -1, gid)  # allowed to the file's owner when it is in that group

@@ -479,11 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "status",
         help="this node's verdict from the running daemon, in the terminal",
-        description="The status page's summary: the headline (the worst of integrity, unsafe "
-        "band, coverage and freshness) and one line per check. Exit 0 ok, 3 warning, 4 alarm, "
-        "1 when no daemon answers. The integrity alarm counts affected requests (incidents) "
-        "until each is acknowledged (kvwatch ack) or its last finding is older than the "
-        "daemon's alarm_window (unless alarm_until_ack is set).",
+        description="The status page's summary: the headline (the worst of integrity, spool "
+        "access, unsafe band, coverage and freshness) and one line per check. Exit 0 ok, 3 "
+        "warning, 4 alarm, 1 when no daemon answers. The integrity alarm counts affected "
+        "requests (incidents) until each is acknowledged (kvwatch ack) or its last "
+        "finding is older than the daemon's alarm_window (unless alarm_until_ack is set).",
         examples=["kvwatch status", "kvwatch status --url http://10.0.0.7:29321 --json"],
     )
     status.add_argument(
@@ -638,7 +638,8 @@ def _add_daemon(commands: Any) -> None:
         action="append",
         metavar="USER",
         help="user name or uid allowed to own spool segments, repeatable "
-        "(default: the daemon's own user)",
+        "(default: the daemon's own user; members of the spool folder's group are allowed "
+        "when that group may write it)",
     )
     from kvwatch.logsetup import FORMATS, LEVELS
 

@@ -138,6 +138,15 @@ class KvwatchCollector(Collector):
             "kvwatch_spool_lag_bytes",
             value=float(state.lag_bytes),
         )
+        ignored = _family("kvwatch_spool_ignored_segments")
+        for reason in catalogue.IGNORED_REASON.values:
+            count = sum(1 for i in state.ignored.values() if i.reason == reason)
+            ignored.add_metric([reason], float(count))
+        yield ignored
+        yield _family(
+            "kvwatch_spool_ignored_findings",
+            value=float(sum(i.findings for i in state.ignored.values())),
+        )
         yield _family(
             "kvwatch_producers",
             value=float(state.live_producers),

@@ -426,6 +426,29 @@ ALERTS: tuple[Alert, ...] = (
         ),
     ),
     Alert(
+        name="KVSpoolSegmentsIgnored",
+        severity="critical",
+        expr=_q(
+            f"""
+            max by (node) ({exposed("spool_ignored_findings")}) > 0
+            or
+            max by (node) ({exposed("spool_ignored_findings")})
+              and on (node)
+            sum by (node) ({exposed("spool_ignored_segments")}) > 0
+              and on (node)
+            max by (node) ({exposed("producers")}) == 0
+            """
+        ),
+        summary="The kvwatch daemon leaves spool segments unread while findings sit in them or "
+        "no producer's records are read: leaks on this node go unseen.",
+        description=(
+            "The kvwatch daemon on node {{ $labels.node }} (all roles on the node) leaves spool "
+            "segments unread (their owner may not write the spool, or it cannot open them): {{ "
+            '$value | printf "%.0f" }} finding(s) sit in them, or no producer\'s segment is read '
+            "at all. kvwatch status names each owner and uid."
+        ),
+    ),
+    Alert(
         name="KVSpoolRecordsRejected",
         severity="warning",
         expr=_q(

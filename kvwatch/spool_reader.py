@@ -45,6 +45,7 @@ from kvspool.records import SERIES_OF, TYPE_NAME, Counters, Event, Gauges, Hello
 from kvspool.writer import PRIVATE_SUFFIX
 from kvwatch.incidents import JOIN_SECONDS
 from kvwatch.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
+from kvwatch.spoolowner import Ignored, OwnerRule, user_name
 from kvwatch.state import Producer, Segment, State
 
 SEGMENT_NAME: Final = re.compile(
@@ -52,6 +53,8 @@ SEGMENT_NAME: Final = re.compile(
 )
 _OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MAX_MESSAGE: Final = 200
+#: How much of an ignored segment is read to count the findings in it (a segment is 8 MiB).
+_IGNORED_SCAN_BYTES: Final = 64 << 20
 #: Rejects logged one by one per poll; past that, one summary line (the counter has them all).
 _LOGGED_REJECTS: Final = 10
 # A quoted value in an error message that is not a short identifier came from the record itself:
@@ -142,6 +145,7 @@ class SpoolReader:
         self.journal = journal
         self.state = state
         self.allowed_uids = frozenset(allowed_uids if allowed_uids else {os.geteuid()})
+        self.owner_rule = OwnerRule(self.directory, self.allowed_uids)
         self.idle_grace = idle_grace
         self.batch_records = batch_records
         self.batch_seconds = batch_seconds
@@ -196,6 +200,8 @@ class SpoolReader:
         self._polled = Counter()
         self._to_remove = []
         groups, sizes = self._list()
+        with self.state.lock:  # an ignored segment counts while it is in the spool
+            self.state.ignored = {n: i for n, i in self.state.ignored.items() if n in sizes}
         more = False
         live: set[str] = set()
         try:
@@ -301,15 +307,22 @@ class SpoolReader:
                 self._reject_file(name, "not_regular", "a symbolic link")
                 return True
             self._warn_once("open:" + name, "spool.open_failed", segment=name, error=str(exc))
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                self._ignore(name, "unreadable", None)
+                return True  # not a live producer: nothing of it is verified
             return False
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 self._reject_file(name, "not_regular", "not a regular file")
                 return True
-            if info.st_uid not in self.allowed_uids:
-                self._reject_file(name, "owner", f"owned by uid {info.st_uid}")
+            if not self.owner_rule(info.st_uid):
+                who = f"owned by {user_name(info.st_uid)} (uid {info.st_uid}), who may not write"
+                self._reject_file(name, "owner", f"{who} the spool")
+                self._ignore(name, "owner", fd)
                 return True
+            if state.ignored.pop(name, None) is not None:
+                self._flagged.discard(name)  # its owner is trusted now (joined the group)
             if segment is None:
                 segment = Segment(name, state.next_segment_id, producer, index)
                 state.next_segment_id += 1
@@ -652,6 +665,27 @@ class SpoolReader:
             error=message,
         )
 
+    def _ignore(self, name: str, reason: str, fd: int | None) -> None:
+        """Keep ``name`` in :attr:`State.ignored` with its owner and, when the daemon can read
+        it (``fd``), the detection events it holds: findings the journal does not have."""
+        try:
+            info = os.fstat(fd) if fd is not None else os.lstat(self.directory / name)
+        except OSError:
+            return
+        ignored = self.state.ignored.get(name)
+        if ignored is None or ignored.reason != reason:
+            ignored = Ignored(reason, info.st_uid, user_name(info.st_uid))
+            self.state.ignored[name] = ignored
+        if fd is None or ignored.size == info.st_size:
+            return
+        findings = 0
+        data = os.pread(fd, min(info.st_size, _IGNORED_SCAN_BYTES), 0)
+        for _offset, _end, payload, _error, _open in iter_frames(data, final=True):
+            if payload is not None:
+                with contextlib.suppress(SchemaError):
+                    findings += type(decode_payload(payload)) is Event
+        ignored.findings, ignored.size = findings, info.st_size
+
     def _reject_file(self, name: str, reason: str, message: str) -> None:
         if name in self._flagged:
             return
@@ -742,7 +776,7 @@ class SpoolReader:
             info = os.fstat(fd)
             if (
                 not stat.S_ISREG(info.st_mode)
-                or info.st_uid not in self.allowed_uids
+                or not self.owner_rule(info.st_uid)
                 or _locked(fd)
                 or time.time() - info.st_mtime < self.idle_grace
             ):

@@ -15,6 +15,7 @@ from typing import Final
 
 from kvspool import catalogue
 from kvspool.records import SERIES_OF, CounterSeries
+from kvwatch.spoolowner import Ignored
 
 OTHER: Final = catalogue.OTHER
 #: Distinct model names / engine versions / ranks kept as label values before "other".
@@ -114,6 +115,8 @@ class State:
     last_record_ts: float = 0.0
     lag_bytes: int = 0
     live_producers: int = 0
+    #: Segments in the spool the reader leaves unread (foreign owner, unreadable), by name.
+    ignored: dict[str, Ignored] = field(default_factory=dict)
     logs: dict[str, EngineLogView] = field(default_factory=dict)
     log_counts: Totals = field(default_factory=totals)
     #: collector name -> (success, duration in seconds) of its last run.

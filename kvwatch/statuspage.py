@@ -4,14 +4,14 @@ Paths: ``/metrics`` (Prometheus), ``/`` (this page; JSON with ``Accept: applicat
 ``kvwatch status`` reads), ``/-/healthy`` (the process serves), ``/-/ready`` (the journal is
 open and the first poll committed); anything else is 404.
 
-The page: a headline that is the worst of four checks (integrity: the journal's unacknowledged
-incidents in the alarm's window, as affected and exposed requests, and lost records; the unsafe
-band, an alarm as its rule is critical, stale once no engine reports; coverage: a live producer,
-a detector that verifies, the spool present; freshness of the last record), each with the line
-an on-call needs; pool against context for each engine role with the unsafe band drawn; whose KV
-the latest incident's reader received (its sources); the latest incidents (affected requests)
-from the journal, acknowledged ones marked. Server-rendered HTML with inline SVG: no script,
-no external asset, refreshed by the browser every few seconds.
+The page: a headline that is the worst of five checks (integrity: the journal's unacknowledged
+incidents in the alarm's window, as affected and exposed requests, and lost records; spool access:
+segments left unread, by owner; the unsafe band, an alarm as its rule is critical, stale once no
+engine reports; coverage: a live producer, a detector that verifies, the spool present; freshness
+of the last record), each with the line an on-call needs; pool against context for each engine role
+with the unsafe band drawn; whose KV the latest incident's reader received (its sources); the
+latest incidents (affected requests) from the journal, acknowledged ones marked. Server-rendered
+HTML with inline SVG: no script, no external asset, refreshed by the browser every few seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,10 +225,16 @@ class Summary:
 
 
 def summarize(state: State, alarm: Alarm, now: float | None = None) -> Summary:
-    """The four checks, from the daemon's state and the integrity alarm (:func:`alarm`)."""
+    """The five checks, from the daemon's state and the integrity alarm (:func:`alarm`)."""
     now = time.time() if now is None else now
     h = health(state)
-    checks = [_integrity(alarm), _band(state), _coverage(state, h), _freshness(h, now)]
+    checks = [
+        _integrity(alarm),
+        spool_access(state),
+        _band(state),
+        _coverage(state, h),
+        _freshness(h, now),
+    ]
     return Summary(tuple(checks))
 
 
@@ -260,6 +267,34 @@ def _integrity(alarm: Alarm) -> Check:
         f"INTEGRITY ALERT: {', '.join(parts)} ({scope}){acked}; see kvwatch incidents "
         "--exposed, then kvwatch ack",
     )
+
+
+def spool_access(state: State) -> Check:
+    """Segments the daemon leaves unread, by owner: an alarm when findings sit in them or no
+    producer's segments are read at all (nothing on the node is verified), else a warning."""
+    with state.lock:
+        ignored = list(state.ignored.values())
+        live = state.live_producers
+    if not ignored:
+        return Check("spool_access", "ok", "every segment in the spool is read")
+    owners = Counter((i.user, i.uid, i.reason) for i in ignored)
+    parts = [
+        f"{n} spool segment(s) of {user} (uid {uid}) "
+        + ("ignored: that user may not write the spool" if why == "owner" else "unreadable")
+        for (user, uid, why), n in sorted(owners.items(), key=lambda kv: (-kv[1], kv[0]))
+    ]
+    findings = sum(i.findings for i in ignored)
+    line = "; ".join(parts)
+    if findings:
+        line += f"; {findings:,} finding(s) in them are not in the journal"
+    elif not live:
+        line += "; no producer's segments are read: nothing on this node is verified"
+    fixes = {
+        "owner": "add that user to the spool folder's group or to allowed_users",
+        "unreadable": "make the spool folder setgid with the daemon's group (mode 2770)",
+    }
+    line += f" ({'; '.join(fixes[r] for r in sorted({i.reason for i in ignored}))})"
+    return Check("spool_access", "alarm" if findings or not live else "warning", line)
 
 
 def _band_line(role: str, engine: str, pool: float, context: float) -> str:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import http.server
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,9 +57,21 @@ def venv(root: Path, *packages: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def plain(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def shared() -> Iterator[Path]:
+    """A folder every user may read, for the venvs: the two-user tests run the daemon and the
+    engines as users who cannot enter pytest's own temporary folder (mode 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="kvwatch-install-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def plain(dist: Path, shared: Path) -> Path:
     """A venv with only the wheel and its dependencies: no torch."""
-    return venv(tmp_path_factory.mktemp("plain") / "venv", str(wheel(dist)))
+    return venv(shared / "plain", str(wheel(dist)))
 
 
 @pytest.fixture
@@ -68,11 +82,10 @@ def empty(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def engine(dist: Path, shared: Path) -> Path:
     """The engine's side: torch first and pinned (the CPU build on this machine's disk, as the
     Makefile installs it), then the wheel with its ``engine`` extra."""
-    root = tmp_path_factory.mktemp("engine") / "venv"
-    return venv(root, "torch==2.13.0", f"{wheel(dist)}[engine]")
+    return venv(shared / "engine", "torch==2.13.0", f"{wheel(dist)}[engine]")
 
 
 @pytest.fixture

@@ -30,12 +30,22 @@ def run_cli(
 
 
 class DaemonProcess:
-    def __init__(self, tmp: Path, *args: str, journal: Path | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *args: str,
+        journal: Path | None = None,
+        prefix: tuple[str, ...] = (),
+        python: str = sys.executable,
+    ) -> None:
+        """``prefix`` (a command that changes user) and ``python`` (one that user can run, e.g.
+        :func:`tests.anyuser.python`) run the daemon as another user."""
         self.spool = tmp / "spool"
         self.journal = journal or tmp / "journal.db"
         self.log_path = tmp / f"daemon-{time.monotonic_ns()}.log"
         self.args = [
-            sys.executable,
+            *prefix,
+            python,
             "-m",
             "kvwatch.cli",
             "daemon",

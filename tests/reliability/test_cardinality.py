@@ -37,6 +37,7 @@ FIXED = {
         *catalogue.SKIP_REASON.values,
         *catalogue.DROP_REASON.values,
         *catalogue.REJECT_REASON.values,
+        *catalogue.IGNORED_REASON.values,
         *LOG_ERROR_REASONS,
     }
 }
