@@ -342,11 +342,11 @@ class TransferChecksum(Detector):
 
 
 #: The mismatch kinds in which the reader was given pages it did not write, so the pages' data
-#: may be other requests' (their sources are named).
+#: may be other requests' (their sources are named). Not a write into a free page: nobody read
+#: it (the finding is its late writer's; a read of the page unwritten is one of these).
 EXPOSING_KINDS = frozenset(
     {
         Canary.UNWRITTEN_PAGE,
-        Canary.WRITE_TO_FREE_PAGE,
         PageTags.STALE_TAG,
         TransferChecksum.DIGEST,
         TransferChecksum.PAGE_COUNT,

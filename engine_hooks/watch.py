@@ -551,7 +551,7 @@ class KVWatch:
             owners = [(rid, ticket.page_count)]
             findings.append(self.tags.compare(owners, ticket.pages, ticket.tags, (instance,)))
             self.stats.verified(PageTags.name)
-        verdicts = [self._report(v) for f in findings for v in f.resolve()]
+        verdicts = self._resolved(findings)
         if self.checksum.active():
             if seal is None:
                 self.stats.skipped(self.checksum.name, _NO_SEAL)
@@ -619,7 +619,7 @@ class KVWatch:
     def resolve(self) -> list[Verdict]:
         """Read the deferred device checks; call where the engine already synchronises."""
         pending, self._pending = self._pending, []
-        return [self._report(v) for f in pending for v in f.resolve()]
+        return self._resolved(pending)
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -628,7 +628,41 @@ class KVWatch:
         if self._on_device:
             self._pending.extend(findings)
             return []
-        return [self._report(v) for f in findings for v in f.resolve()]
+        return self._resolved(findings)
+
+    def _resolved(self, findings: list[Finding]) -> list[Verdict]:
+        """The findings' verdicts, reported; a write into a free page as its late writer's."""
+        verdicts = [v for f in findings for v in f.resolve()]
+        return [self._report(v) for v in self._late_writers(verdicts)]
+
+    def _late_writers(self, verdicts: list[Verdict]) -> list[Verdict]:
+        """A write into a free page is the late WRITER's finding, not the allocating request's:
+        that request has read nothing (its own write comes first, and were it to read the page
+        unwritten, its read is a finding of its own, naming the writer as a source). The
+        writer is the holder of the generation the page's tag says was written last (a late
+        write carries its request's tag); one verdict per writer, the allocating request kept
+        as ``detail["next_owner"]``. No sources: the finding is nobody's read."""
+        out: list[Verdict] = []
+        for verdict in verdicts:
+            if verdict.kind != Canary.WRITE_TO_FREE_PAGE or self.state is None:
+                out.append(verdict)
+                continue
+            keys, _ = self.state.sources(self.state.index(verdict.pages))
+            writers: dict[tuple[str, str], list[int]] = {}
+            for page, key in zip(verdict.pages, keys, strict=True):
+                ident = self.requests.get(key) if key not in (NOBODY, UNKNOWN) else None
+                writers.setdefault(ident or ("", ""), []).append(page)
+            detail = dict(verdict.detail)
+            if verdict.request_id:
+                detail["next_owner"] = _text(verdict.request_id)
+            for (rid, instance), pages in sorted(writers.items()):
+                out.append(
+                    replace(
+                        verdict, request_id=rid, instance=instance, pages=tuple(pages),
+                        detail=detail,
+                    )
+                )  # fmt: skip
+        return out
 
     def _report(self, verdict: Verdict, residue: Sequence[tuple[str, str]] = ()) -> Verdict:
         """Count a mismatch and write its event record, once per request instance, detector and

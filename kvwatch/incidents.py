@@ -29,6 +29,10 @@ _COLUMNS = (
     "PAGES",
 )
 _SHOWN_PAGES = 8
+#: Kinds whose request read nothing: a write into a free page is its late writer's (older
+#: producers named the page's next owner there, with the writer as a source). A read of such
+#: a page before it is overwritten is a finding of its own.
+NOT_READS: Final = frozenset({"write_to_free_page"})
 #: The disclosure view's JSON format (``--exposed --json``): its ``v``.
 EXPOSED_VERSION: Final = 1
 
@@ -144,6 +148,8 @@ def exposure(
     unnamed_pages = 0
     for row in rows:
         if not row["sources"] and not row["other_sources"]:
+            continue
+        if row["kind"] in NOT_READS:
             continue
         node = row["node"] or ""
         rkey = (node, row["request_id"], row["instance"] or "")
