@@ -363,6 +363,9 @@ class KVWatch:
         self.pool_report: PoolReport | None = None
         self._pending: list[Finding] = []
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        # Per page a seal wrote, whose KV each of its token rows holds, top down: (holder or
+        # None for zeros, rows up to). Kept at seal (a sync point) for its residue only.
+        self._rows: dict[int, list[tuple[tuple[str, str] | None, int]]] = {}
         self._on_device = pool is not None and not pool.is_cpu
         self._lock = threading.Lock()  # guards the spool snapshot against the flush thread
         self._stop = threading.Event()
@@ -420,6 +423,7 @@ class KVWatch:
         findings = [double_free] if self.tags.active() else []
         if self.scrub is Scrub.ON_FREE:
             self.state.scrub(index)  # before the stamp: the stamp must survive it
+            self._forget_rows(index, zeroed=True)
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, self.state.generations(index), Purpose.FREE)
         return self._settle(findings)
@@ -436,6 +440,7 @@ class KVWatch:
         self.state.claim(index, self.requests.key(request_id, instance), time.time())
         if self.scrub is Scrub.ON_RESERVE:
             self.state.scrub(index)  # before the stamp: the stamp must survive it
+            self._forget_rows(index, zeroed=True)
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, tags, Purpose.RESERVED)
         return Ticket(request_id, index, tags, instance)
@@ -448,6 +453,7 @@ class KVWatch:
             return
         index = self.state.index(pages)
         self._own(index, ticket.request_id, ticket.instance)
+        self._forget_rows(index)
         gens = self.state.generations(index)
         if isinstance(ticket.pages, list) and isinstance(ticket.tags, list):
             # Host lists grow in place (a copy per decode page is O(pages)); nothing else
@@ -465,7 +471,9 @@ class KVWatch:
         they are written for their current generation and hold its KV from now on."""
         if self.state is None or len(pages) == 0:
             return
-        self._own(self.state.index(pages), request_id, instance)
+        index = self.state.index(pages)
+        self._own(index, request_id, instance)
+        self._forget_rows(index)
 
     def _own(self, index: Ints, request_id: str, instance: str = "") -> None:
         """``request_id`` wrote the pages ``index`` itself, now."""
@@ -512,17 +520,64 @@ class KVWatch:
         index = self.state.index(pages)
         residue: tuple[tuple[str, str], ...] = ()
         count, page_size = len(index), self.pool.page_size
+        me = (request_id[:128], "")
         if count and tokens is not None and 0 <= tokens < count * page_size:
             last = index[count - 1 :]
+            used = max(0, tokens - (count - 1) * page_size)
             if self.scrub is Scrub.OFF:
-                residue = self._holders(last, request_id)
+                residue = self._residue(int(last[0]), used, request_id)
             else:
-                used = tokens - (count - 1) * page_size
-                self.state.scrub_tail(int(last[0]), max(0, used))
+                self.state.scrub_tail(int(last[0]), used)
+                self._rows[int(last[0])] = [(me, used), (None, page_size)]
+            full = [int(p) for p in index[: count - 1]]
+        else:
+            full = [int(p) for p in index]
+        for page in full:
+            self._rows[page] = [(me, page_size)]
         self._own(index, request_id)
         if not self.checksum.active():
             return None
         return replace(self.checksum.seal(pages), residue=residue)
+
+    def _residue(self, page: int, used: int, writer: str) -> tuple[tuple[str, str], ...]:
+        """Whose KV stays in rows ``used`` and up of ``page`` once ``writer`` wrote the rows
+        before them: from the rows the page's earlier seals wrote, where known; else the page's
+        holder by its tag, if those rows are not zeros (never written, or scrubbed)."""
+        assert self.pool is not None
+        size, me = self.pool.page_size, (writer[:128], "")
+        layers = self._rows.get(page)
+        if layers is None:
+            holders = self._holders([page], writer) if self._tail_written(page, used) else ()
+            layers = [*((h, size) for h in holders), (None, size)]
+        out: list[tuple[str, str]] = []
+        below = 0
+        for holder, upto in layers:
+            if upto > max(below, used) and holder is not None and holder[0] != writer:
+                out.append(holder)
+            below = max(below, upto)
+        self._rows[page] = [(me, used), *((h, u) for h, u in layers if u > used)]
+        return tuple(sorted(set(out)))
+
+    def _tail_written(self, page: int, used: int) -> bool:
+        """Whether any row of ``page`` from ``used`` on is not zeros, in any buffer."""
+        assert self.pool is not None
+        size = self.pool.page_size
+        for view in self.pool.page_views:
+            rows = view[page].view(size, -1)
+            if bool(rows[used:].any()):
+                return True
+        return False
+
+    def _forget_rows(self, pages: Ints, *, zeroed: bool = False) -> None:
+        """The pages were written (or zeroed) other than by a seal: rows unknown (or zeros)."""
+        if not self._rows and not zeroed:
+            return
+        size = self.pool.page_size if self.pool is not None else 0
+        for page in pages.tolist() if isinstance(pages, torch.Tensor) else pages:
+            if zeroed:
+                self._rows[int(page)] = [(None, size)]
+            else:
+                self._rows.pop(int(page), None)
 
     def _holders(self, pages: Ints, reader: str) -> tuple[tuple[str, str], ...]:
         """The requests (id, instance) whose data these pages hold now, other than ``reader``."""

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_hooks import canary
 from minipd import tokenizer
 from minipd.config import Faults, ServeConfig
 from minipd.decode import DecodeRequest, DecodeWorker
@@ -101,11 +102,21 @@ class Engine:
         attention), slot by slot, from the engine's own ownership record."""
         assert req.slots is not None
         context = req.slots[: req.prompt_tokens + len(req.output)]
-        context = context[self.decode.model.holds_token(self.decode.pool, context)]
+        context = context[self._holds_kv(context)]
         seen = self.reads.setdefault(req.rid, {})
         for source, (pages, tokens) in self.decode.owners.held(context, req.rid).items():
             before = seen.get(source, (0, 0))
             seen[source] = (max(before[0], pages), max(before[1], tokens))
+
+    def _holds_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per slot, whether it still holds the KV its writer wrote: the token's key, but for
+        the bytes where the hooks' canary stamp may sit (the first bytes of a page's first
+        slot: a stamp there leaves the slot's values, and the rest of its key, the writer's).
+        A zeroed (scrubbed) or never-written slot holds nobody's."""
+        model, pool = self.decode.model, self.decode.pool
+        skip = -(-canary.STAMP_BYTES // 4)  # float32 elements under the stamp
+        keys = pool.keys(0).index_select(0, slots)[:, 0, skip:]
+        return (keys == model._key.reshape(-1)[skip:]).all(dim=1)
 
     # -- the router's handoff --------------------------------------------------------------
 
