@@ -33,11 +33,12 @@ from the calls above, with no new call needed: ``on_alloc(pages, request_id)`` a
 ``on_reserve(rid, pages, instance)`` say who owns a page's new generation; a write is known by
 its tag (``mark_written`` by a remote writer with the reader's ticket tags, ``landed`` for a
 transfer that carries no tags, ``extend`` and ``wrote`` for the engine's own writes,
-``seal(rid, pages)`` for the writer's pages). When a finding of one of
-:data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported, its :class:`Verdict` carries
-``sources`` (:class:`kvspool.records.Source`: request id, instance, pages, ``written_at``),
-most pages first, at most ``MAX_EVENT_SOURCES``, plus ``other_sources`` and
-``other_source_pages``; the spool event carries the same fields. A page
+``seal(rid, pages)`` for the writer's pages). A write into a free page is reported as its late
+writer's (``detail["next_owner"]`` the allocating request), with no sources: nobody read it.
+When a finding of one of :data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported, its
+:class:`Verdict` carries ``sources`` (:class:`kvspool.records.Source`: request id, instance,
+pages, ``written_at``), most pages first, at most ``MAX_EVENT_SOURCES``, plus
+``other_sources`` and ``other_source_pages``; the spool event carries the same fields. A page
 never written since start-up, or scrubbed, has no source; the reader is never its own source;
 pages whose writer the hooks cannot name are counted in the event's
 ``detail["unattributed_pages"]``. Look-ups run only when a finding is reported (at a sync

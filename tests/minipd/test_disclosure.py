@@ -157,3 +157,14 @@ def test_every_named_reader_and_source_is_true(history: History) -> None:
         for source in reader["sources"]:
             assert source["request_id"] in truth, (reader["request_id"], source, truth)
             assert source["pages"] <= truth[source["request_id"]][0], (reader, truth)
+
+
+def test_exposed_skips_an_older_producers_write_to_free_page() -> None:
+    """Before this kvwatch, the event named the page's next owner, with the late writer as a
+    source: the disclosure view must not list that next owner as a reader."""
+    legacy = {
+        "request_id": "next-owner", "detector": "canary", "kind": "write_to_free_page",
+        "action": "logged", "pages_total": 1,
+        "sources": [{"request_id": "aborted-2", "pages": 1, "written_at": 0.0}],
+    }  # fmt: skip
+    assert exposure(view_rows([legacy]), since=None, until=None)["readers"] == []
