@@ -153,6 +153,9 @@ class Finding:
     bad: Mask
     mode: Mode
     instances: Instances = ()
+    #: The pages' tags when checked, where the verdict is resolved by them later (a write into
+    #: a free page names its writer by the tag it left, before the next owner's write lands).
+    tags: Ints | None = None
 
     @classmethod
     def single(

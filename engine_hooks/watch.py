@@ -408,7 +408,10 @@ class KVWatch:
         findings: list[Finding] = []
         if self.canary.usable and self.canary.active():
             gens = self.state.generations(index)
-            findings.append(self.canary.check_free(request_id, index, gens))
+            free = self.canary.check_free(request_id, index, gens)
+            if self._on_device:  # resolved later: the late writer by the tags it left now
+                free.tags = self.state.written_tags(index)
+            findings.append(free)
             self.stats.verified(Canary.name)
         self.state.set_free(index, False)
         self.state.bump(index, self.requests.key(request_id, instance), time.time())
@@ -688,22 +691,39 @@ class KVWatch:
 
     def _resolved(self, findings: list[Finding]) -> list[Verdict]:
         """The findings' verdicts, reported; a write into a free page as its late writer's."""
-        verdicts = [v for f in findings for v in f.resolve()]
-        return [self._report(v) for v in self._late_writers(verdicts)]
+        out: list[Verdict] = []
+        for finding in findings:
+            verdicts = finding.resolve()
+            if finding.kind == Canary.WRITE_TO_FREE_PAGE:
+                verdicts = self._late_writers(verdicts, finding)
+            out.extend(self._report(v) for v in verdicts)
+        return out
 
-    def _late_writers(self, verdicts: list[Verdict]) -> list[Verdict]:
+    def _late_writers(self, verdicts: list[Verdict], finding: Finding) -> list[Verdict]:
         """A write into a free page is the late WRITER's finding, not the allocating request's:
         that request has read nothing (its own write comes first, and were it to read the page
         unwritten, its read is a finding of its own, naming the writer as a source). The
         writer is the holder of the generation the page's tag says was written last (a late
         write carries its request's tag); one verdict per writer, the allocating request kept
-        as ``detail["next_owner"]``. No sources: the finding is nobody's read."""
+        as ``detail["next_owner"]``. No sources: the finding is nobody's read. On an accelerator
+        the tags are the ones taken at the allocation (``finding.tags``): by the time the
+        finding is read the next owner may have written the page."""
+        if self.state is None:
+            return verdicts
+        tags: dict[int, int] = {}
+        if finding.tags is not None:
+            pages = (
+                finding.pages.tolist() if isinstance(finding.pages, torch.Tensor) else finding.pages
+            )
+            taken = (
+                finding.tags.tolist() if isinstance(finding.tags, torch.Tensor) else finding.tags
+            )
+            tags = dict(zip(pages, taken, strict=True))
         out: list[Verdict] = []
         for verdict in verdicts:
-            if verdict.kind != Canary.WRITE_TO_FREE_PAGE or self.state is None:
-                out.append(verdict)
-                continue
-            keys, _ = self.state.sources(self.state.index(verdict.pages))
+            index = self.state.index(verdict.pages)
+            then = [tags[p] for p in verdict.pages] if tags else None
+            keys, _ = self.state.sources(index, then)
             writers: dict[tuple[str, str], list[int]] = {}
             for page, key in zip(verdict.pages, keys, strict=True):
                 ident = self.requests.get(key) if key not in (NOBODY, UNKNOWN) else None

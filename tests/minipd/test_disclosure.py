@@ -35,7 +35,9 @@ HISTORIES = int(os.environ.get("KVWATCH_DISCLOSURE_HISTORIES", "2000"))
 
 _submit = st.tuples(
     st.just("submit"),
-    st.integers(1, 44),  # tokens: partial pages, and over prefill's 31-token limit
+    # Tokens: short ones (partial pages, a pool page left partly written), any, and over
+    # prefill's 31-token limit (a one-token placeholder read as the whole prompt).
+    st.one_of(st.integers(1, 6), st.integers(1, 44), st.integers(32, 44)),
     st.integers(1, 6),
     st.booleans(),  # prefill's write delayed
 )
