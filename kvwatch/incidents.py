@@ -76,6 +76,8 @@ def merge(
 
 def exposed_count(row: dict[str, Any]) -> int:
     """Requests whose KV this incident's reader received (as ``kvwatch_exposed_requests``)."""
+    if row["kind"] in NOT_READS:
+        return 0
     return len({s["request_id"] for s in row["sources"]}) + int(row["other_sources"])
 
 

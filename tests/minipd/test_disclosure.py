@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine_hooks.testing import read_spool
-from kvwatch.incidents import exposure
+from kvwatch.incidents import exposed_count, exposure
 from minipd.releases import RELEASES
 from tests.minipd.inprocess import Engine, Reads
 
@@ -170,3 +170,4 @@ def test_exposed_skips_an_older_producers_write_to_free_page() -> None:
         "sources": [{"request_id": "aborted-2", "pages": 1, "written_at": 0.0}],
     }  # fmt: skip
     assert exposure(view_rows([legacy]), since=None, until=None)["readers"] == []
+    assert exposed_count(view_rows([legacy])[0]) == 0
