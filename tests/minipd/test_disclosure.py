@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 
 from engine_hooks.testing import read_spool
 from kvwatch.incidents import exposed_count, exposure
+from kvwatch.journal import Journal
+from kvwatch.spool_reader import SpoolReader
 from minipd.releases import RELEASES
 from tests.minipd.inprocess import Engine, Reads
 
@@ -64,6 +66,23 @@ histories = st.builds(
     st.sampled_from([None, False]),
     st.lists(_op, min_size=1, max_size=24),
 )
+
+
+#: A placeholder's last page whose tail nobody wrote (zeros): that residue is nobody's.
+ZERO_TAIL = History(
+    "0.5.19",
+    "off",
+    None,
+    [("submit", 1, 1, False), ("submit", 25, 1, False), ("submit", 32, 1, False)],
+)
+#: A late write into a freed page that the page's next owner overwrites before it reads.
+LATE_WRITE = History(
+    "0.5.19",
+    "off",
+    None,
+    [("submit", 8, 2, True), ("abort", 0), ("land", 0), *[("submit", 28, 1, False), ("step",)] * 3,
+     ("submit", 8, 2, False)],
+)  # fmt: skip
 
 
 def run(history: History, spool: Path) -> tuple[list[dict[str, Any]], dict[str, Reads]]:
@@ -141,13 +160,8 @@ def view_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(histories)
-# A placeholder's last page whose tail nobody wrote (zeros): its residue is nobody's.
-@example(History("0.5.19", "off", None, [("submit", 1, 1, False), ("submit", 25, 1, False),
-                                         ("submit", 32, 1, False)]))  # fmt: skip
-# A late write into a freed page that the next owner overwrites before it reads.
-@example(History("0.5.19", "off", None, [("submit", 8, 2, True), ("abort", 0), ("land", 0),
-                                         *[("submit", 28, 1, False), ("step",)] * 3,
-                                         ("submit", 8, 2, False)]))  # fmt: skip
+@example(ZERO_TAIL)
+@example(LATE_WRITE)
 def test_every_named_reader_and_source_is_true(history: History) -> None:
     with tempfile.TemporaryDirectory(prefix="kvwatch-disclosure-") as spool:
         events, reads = run(history, Path(spool))
@@ -171,3 +185,31 @@ def test_exposed_skips_an_older_producers_write_to_free_page() -> None:
     }  # fmt: skip
     assert exposure(view_rows([legacy]), since=None, until=None)["readers"] == []
     assert exposed_count(view_rows([legacy])[0]) == 0
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, database=None)
+@given(histories)
+@example(ZERO_TAIL)
+@example(LATE_WRITE)
+def test_the_daemons_exposed_view_is_true(history: History) -> None:
+    """The same over fewer histories, through the daemon's own path: the spool read into a
+    journal, ``kvwatch incidents --exposed``'s view built from its incidents."""
+    with tempfile.TemporaryDirectory(prefix="kvwatch-disclosure-") as tmp:
+        spool = Path(tmp) / "spool"
+        events, reads = run(history, spool)
+        journal = Journal(Path(tmp) / "journal.db")
+        try:
+            reader = SpoolReader(spool, journal, journal.load(), quarantine_dir=Path(tmp) / "q")
+            while reader.poll().more:
+                pass
+            rows = journal.incidents()
+        finally:
+            journal.close()
+    assert len(rows) == len(events)
+    view = exposure(rows, since=None, until=None)
+    for named in view["readers"]:
+        truth = reads.get(named["request_id"], {})
+        assert truth, f"--exposed lists {named['request_id']}, which read nobody's KV"
+        for source in named["sources"]:
+            assert source["request_id"] in truth, (named["request_id"], source, truth)
+            assert source["pages"] <= truth[source["request_id"]][0], (named, truth)
