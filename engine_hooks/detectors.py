@@ -153,6 +153,9 @@ class Finding:
     bad: Mask
     mode: Mode
     instances: Instances = ()
+    #: The pages' tags when checked, where the verdict is resolved by them later (a write into
+    #: a free page names its writer by the tag it left, before the next owner's write lands).
+    tags: Ints | None = None
 
     @classmethod
     def single(
@@ -342,11 +345,11 @@ class TransferChecksum(Detector):
 
 
 #: The mismatch kinds in which the reader was given pages it did not write, so the pages' data
-#: may be other requests' (their sources are named).
+#: may be other requests' (their sources are named). Not a write into a free page: nobody read
+#: it (the finding is its late writer's; a read of the page unwritten is one of these).
 EXPOSING_KINDS = frozenset(
     {
         Canary.UNWRITTEN_PAGE,
-        Canary.WRITE_TO_FREE_PAGE,
         PageTags.STALE_TAG,
         TransferChecksum.DIGEST,
         TransferChecksum.PAGE_COUNT,

@@ -67,7 +67,10 @@ class PageState(Protocol):
         self, pages: Ints, now: float | None = None, owner: int | None = None
     ) -> None: ...
     def claim(self, pages: Ints, owner: int, now: float) -> None: ...
-    def sources(self, pages: Ints) -> tuple[list[int], list[float]]: ...
+    def sources(
+        self, pages: Ints, written: Ints | None = None
+    ) -> tuple[list[int], list[float]]: ...
+    def written_tags(self, pages: Ints) -> Ints: ...
     def scrub(self, pages: Ints) -> None: ...
     def scrub_tail(self, page: int, used: int) -> None: ...
     def stale(self, pages: Ints, expected: Ints) -> Mask: ...
@@ -165,12 +168,20 @@ class DevicePages:
         self.holders[index, CURRENT, KEY] = owner
         self.holders[index, CURRENT, AT_MS] = _ms(now)
 
-    def sources(self, pages: Ints) -> tuple[list[int], list[float]]:
+    def written_tags(self, pages: Ints) -> torch.Tensor:
+        """The pages' tags now (the generation each was last written for): one gather, no
+        sync; :meth:`sources` given them later names who had written the pages then."""
+        return self.written.index_select(0, torch.as_tensor(pages))
+
+    def sources(self, pages: Ints, written: Ints | None = None) -> tuple[list[int], list[float]]:
         """Per page, the key of the request whose data it holds and when (read on the host:
-        call only where the engine synchronises)."""
+        call only where the engine synchronises); by the tags ``written`` where given (taken
+        earlier by :meth:`written_tags`), else by the pages' tags now."""
         index = torch.as_tensor(pages)
         rows = self.holders.index_select(0, index)
-        written = self.written.index_select(0, index)
+        written = (
+            self.written.index_select(0, index) if written is None else self._on_device(written)
+        )
         match = rows[:, :, GEN] == written.unsqueeze(1)
         found = match.any(dim=1) & (written != 0)
         slot = match.to(torch.int8).argmax(dim=1, keepdim=True)
@@ -354,12 +365,17 @@ class HostPages:
             h[p * stride + CURRENT * _FIELDS + KEY] = owner
             h[p * stride + CURRENT * _FIELDS + AT_MS] = at
 
-    def sources(self, pages: Ints) -> tuple[list[int], list[float]]:
+    def written_tags(self, pages: Ints) -> list[int]:
+        return [self.written[p] for p in self._ints(pages)]
+
+    def sources(self, pages: Ints, written: Ints | None = None) -> tuple[list[int], list[float]]:
         h, stride = self.holders, _SLOTS * _FIELDS
         keys: list[int] = []
         times: list[float] = []
-        for p in self._ints(pages):
-            w = self.written[p]
+        ids = self._ints(pages)
+        tags = None if written is None else self._ints(written)
+        for i, p in enumerate(ids):
+            w = self.written[p] if tags is None else tags[i]
             key, at = (NOBODY if w == 0 else UNKNOWN), 0.0
             if w:
                 for slot in (CURRENT, PREVIOUS, WRITER):

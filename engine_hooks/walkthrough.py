@@ -76,6 +76,20 @@ def report(verdicts: Sequence[Verdict]) -> None:
         )
 
 
+def exposure_line(verdicts: Sequence[Verdict], unwritten: int) -> str:
+    """What the request's reads would have exposed without kvwatch, from its verdicts' sources
+    (the requests whose KV the pages held, as the spool names them): never more."""
+    held: dict[str, int] = {}
+    for v in verdicts:
+        for s in v.sources:
+            held[s.request_id] = max(held.get(s.request_id, 0), s.pages)
+    pages = f"the {unwritten} page(s) nobody wrote for it" if unwritten else "its pages"
+    if not held:
+        return f"{pages} hold no other request's keys and values: nothing to disclose"
+    named = ", ".join(f"{rid} ({count} page(s))" for rid, count in sorted(held.items()))
+    return f"without kvwatch, attention would now read {pages}: the keys and values of {named}"
+
+
 def heading(text: str) -> None:
     print(f"\n== {text}")
 
@@ -108,8 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def transfer(
         rid: str, prompt_pages: int, written_pages: int, seed: int
-    ) -> tuple[list[int], Ticket]:
-        """The incident's three steps: decode reserves, prefill writes and seals, decode admits."""
+    ) -> tuple[list[int], Ticket, list[Verdict]]:
+        """The incident's three steps: decode reserves, prefill writes and seals, decode admits.
+        Also the verdicts of the request's reads (admit's), for the narration."""
         dst = d_alloc.alloc(prompt_pages, rid)
         ticket = decode.on_reserve(rid, dst)
         assert ticket is not None
@@ -123,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(verdicts)
         if not verdicts:
             print(f"    {rid}: all detectors passed ({prompt_pages} pages verified)")
-        return dst, ticket
+        return dst, ticket, verdicts
 
     print(f"kvwatch detector walkthrough (mode={args.mode}); spool: {spool}")
     heading("Pool versus context at start-up (the Workers AI numbers)")
@@ -136,25 +151,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     heading("Two users write their prompts and finish; their pages go back unzeroed")
     for user, seed in (("user-a", 1), ("user-b", 2)):
-        pages, _ = transfer(user, 4, 4, seed)
+        pages, _, _ = transfer(user, 4, 4, seed)
         d_alloc.release(pages)
 
     heading("A rejected over-length request: the admission queue checks finished(), not to_finish")
     report([decode.on_admission("rejected-1", "decode_prealloc", aborted=True, finished=False)])
     heading("... decode reserves 8 pages, prefill writes 1 (the placeholder), decode admits")
-    pages, _ = transfer("rejected-1", 8, 1, 3)
-    print(
-        "    without kvwatch, attention would now read the 7 pages prefill never wrote:"
-        " users A and B's keys and values"
-    )
+    pages, _, verdicts = transfer("rejected-1", 8, 1, 3)
+    print(f"    {exposure_line(verdicts, 7)}")
     d_alloc.release(pages)
 
     heading("A late RDMA write lands in a page after its request was aborted and the page freed")
     late = d_alloc.alloc(2, "aborted-2")
+    late_ticket = decode.on_reserve("aborted-2", late)
+    assert late_ticket is not None
     d_alloc.release(late)
-    compute_kv(decode_pool, late[:1], 9)  # the write nobody waited for
+    compute_kv(decode_pool, late[:1], 9)  # the write nobody waited for, with its page tag
+    decode_pool.mark_written(late[:1], late_ticket.tags[:1])
     d_alloc.free.sort(key=lambda p: p != late[0])  # the next allocation takes that page
-    taken, _ = transfer("next-owner", 2, 2, 4)
+    taken, _, verdicts = transfer("next-owner", 2, 2, 4)
+    print(f"    {exposure_line(verdicts, 0)}")
     d_alloc.release(taken)
 
     heading("A flipped bit in a transfer")
@@ -171,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d_alloc.release(dst)
 
     heading("A page reallocated while a running request still references it (double free)")
-    running, run_ticket = transfer("running-4", 2, 2, 6)
+    running, run_ticket, _ = transfer("running-4", 2, 2, 6)
     d_alloc.release(running[:1])  # freed by mistake while still in use
     d_alloc.free.sort(key=lambda p: p != running[0])
     thief = d_alloc.alloc(1, "thief-5")  # ... and handed to another request
@@ -180,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d_alloc.release(running[1:] + thief)
 
     heading("A clean request")
-    pages, _ = transfer("clean-6", 4, 4, 7)
+    pages, _, _ = transfer("clean-6", 4, 4, 7)
     d_alloc.release(pages)
 
     decode.close()

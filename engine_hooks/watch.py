@@ -33,11 +33,12 @@ from the calls above, with no new call needed: ``on_alloc(pages, request_id)`` a
 ``on_reserve(rid, pages, instance)`` say who owns a page's new generation; a write is known by
 its tag (``mark_written`` by a remote writer with the reader's ticket tags, ``landed`` for a
 transfer that carries no tags, ``extend`` and ``wrote`` for the engine's own writes,
-``seal(rid, pages)`` for the writer's pages). When a finding of one of
-:data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported, its :class:`Verdict` carries
-``sources`` (:class:`kvspool.records.Source`: request id, instance, pages, ``written_at``),
-most pages first, at most ``MAX_EVENT_SOURCES``, plus ``other_sources`` and
-``other_source_pages``; the spool event carries the same fields. A page
+``seal(rid, pages)`` for the writer's pages). A write into a free page is reported as its late
+writer's (``detail["next_owner"]`` the allocating request), with no sources: nobody read it.
+When a finding of one of :data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported, its
+:class:`Verdict` carries ``sources`` (:class:`kvspool.records.Source`: request id, instance,
+pages, ``written_at``), most pages first, at most ``MAX_EVENT_SOURCES``, plus
+``other_sources`` and ``other_source_pages``; the spool event carries the same fields. A page
 never written since start-up, or scrubbed, has no source; the reader is never its own source;
 pages whose writer the hooks cannot name are counted in the event's
 ``detail["unattributed_pages"]``. Look-ups run only when a finding is reported (at a sync
@@ -363,6 +364,9 @@ class KVWatch:
         self.pool_report: PoolReport | None = None
         self._pending: list[Finding] = []
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        # Per page a seal wrote, whose KV each of its token rows holds, top down: (holder or
+        # None for zeros, rows up to). Kept at seal (a sync point) for its residue only.
+        self._rows: dict[int, list[tuple[tuple[str, str] | None, int]]] = {}
         self._on_device = pool is not None and not pool.is_cpu
         self._lock = threading.Lock()  # guards the spool snapshot against the flush thread
         self._stop = threading.Event()
@@ -404,7 +408,10 @@ class KVWatch:
         findings: list[Finding] = []
         if self.canary.usable and self.canary.active():
             gens = self.state.generations(index)
-            findings.append(self.canary.check_free(request_id, index, gens))
+            free = self.canary.check_free(request_id, index, gens)
+            if self._on_device:  # resolved later: the late writer by the tags it left now
+                free.tags = self.state.written_tags(index)
+            findings.append(free)
             self.stats.verified(Canary.name)
         self.state.set_free(index, False)
         self.state.bump(index, self.requests.key(request_id, instance), time.time())
@@ -420,6 +427,7 @@ class KVWatch:
         findings = [double_free] if self.tags.active() else []
         if self.scrub is Scrub.ON_FREE:
             self.state.scrub(index)  # before the stamp: the stamp must survive it
+            self._forget_rows(index, zeroed=True)
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, self.state.generations(index), Purpose.FREE)
         return self._settle(findings)
@@ -436,6 +444,7 @@ class KVWatch:
         self.state.claim(index, self.requests.key(request_id, instance), time.time())
         if self.scrub is Scrub.ON_RESERVE:
             self.state.scrub(index)  # before the stamp: the stamp must survive it
+            self._forget_rows(index, zeroed=True)
         if self.canary.usable and self.canary.mode is not Mode.OFF:
             self.state.stamp(index, tags, Purpose.RESERVED)
         return Ticket(request_id, index, tags, instance)
@@ -448,6 +457,7 @@ class KVWatch:
             return
         index = self.state.index(pages)
         self._own(index, ticket.request_id, ticket.instance)
+        self._forget_rows(index)
         gens = self.state.generations(index)
         if isinstance(ticket.pages, list) and isinstance(ticket.tags, list):
             # Host lists grow in place (a copy per decode page is O(pages)); nothing else
@@ -465,7 +475,9 @@ class KVWatch:
         they are written for their current generation and hold its KV from now on."""
         if self.state is None or len(pages) == 0:
             return
-        self._own(self.state.index(pages), request_id, instance)
+        index = self.state.index(pages)
+        self._own(index, request_id, instance)
+        self._forget_rows(index)
 
     def _own(self, index: Ints, request_id: str, instance: str = "") -> None:
         """``request_id`` wrote the pages ``index`` itself, now."""
@@ -512,17 +524,64 @@ class KVWatch:
         index = self.state.index(pages)
         residue: tuple[tuple[str, str], ...] = ()
         count, page_size = len(index), self.pool.page_size
+        me = (request_id[:128], "")
         if count and tokens is not None and 0 <= tokens < count * page_size:
             last = index[count - 1 :]
+            used = max(0, tokens - (count - 1) * page_size)
             if self.scrub is Scrub.OFF:
-                residue = self._holders(last, request_id)
+                residue = self._residue(int(last[0]), used, request_id)
             else:
-                used = tokens - (count - 1) * page_size
-                self.state.scrub_tail(int(last[0]), max(0, used))
+                self.state.scrub_tail(int(last[0]), used)
+                self._rows[int(last[0])] = [(me, used), (None, page_size)]
+            full = [int(p) for p in index[: count - 1]]
+        else:
+            full = [int(p) for p in index]
+        for page in full:
+            self._rows[page] = [(me, page_size)]
         self._own(index, request_id)
         if not self.checksum.active():
             return None
         return replace(self.checksum.seal(pages), residue=residue)
+
+    def _residue(self, page: int, used: int, writer: str) -> tuple[tuple[str, str], ...]:
+        """Whose KV stays in rows ``used`` and up of ``page`` once ``writer`` wrote the rows
+        before them: from the rows the page's earlier seals wrote, where known; else the page's
+        holder by its tag, if those rows are not zeros (never written, or scrubbed)."""
+        assert self.pool is not None
+        size, me = self.pool.page_size, (writer[:128], "")
+        layers = self._rows.get(page)
+        if layers is None:
+            holders = self._holders([page], writer) if self._tail_written(page, used) else ()
+            layers = [*((h, size) for h in holders), (None, size)]
+        out: list[tuple[str, str]] = []
+        below = 0
+        for holder, upto in layers:
+            if upto > max(below, used) and holder is not None and holder[0] != writer:
+                out.append(holder)
+            below = max(below, upto)
+        self._rows[page] = [(me, used), *((h, u) for h, u in layers if u > used)]
+        return tuple(sorted(set(out)))
+
+    def _tail_written(self, page: int, used: int) -> bool:
+        """Whether any row of ``page`` from ``used`` on is not zeros, in any buffer."""
+        assert self.pool is not None
+        size = self.pool.page_size
+        for view in self.pool.page_views:
+            rows = view[page].view(size, -1)
+            if bool(rows[used:].any()):
+                return True
+        return False
+
+    def _forget_rows(self, pages: Ints, *, zeroed: bool = False) -> None:
+        """The pages were written (or zeroed) other than by a seal: rows unknown (or zeros)."""
+        if not self._rows and not zeroed:
+            return
+        size = self.pool.page_size if self.pool is not None else 0
+        for page in pages.tolist() if isinstance(pages, torch.Tensor) else pages:
+            if zeroed:
+                self._rows[int(page)] = [(None, size)]
+            else:
+                self._rows.pop(int(page), None)
 
     def _holders(self, pages: Ints, reader: str) -> tuple[tuple[str, str], ...]:
         """The requests (id, instance) whose data these pages hold now, other than ``reader``."""
@@ -551,7 +610,7 @@ class KVWatch:
             owners = [(rid, ticket.page_count)]
             findings.append(self.tags.compare(owners, ticket.pages, ticket.tags, (instance,)))
             self.stats.verified(PageTags.name)
-        verdicts = [self._report(v) for f in findings for v in f.resolve()]
+        verdicts = self._resolved(findings)
         if self.checksum.active():
             if seal is None:
                 self.stats.skipped(self.checksum.name, _NO_SEAL)
@@ -619,7 +678,7 @@ class KVWatch:
     def resolve(self) -> list[Verdict]:
         """Read the deferred device checks; call where the engine already synchronises."""
         pending, self._pending = self._pending, []
-        return [self._report(v) for f in pending for v in f.resolve()]
+        return self._resolved(pending)
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -628,7 +687,58 @@ class KVWatch:
         if self._on_device:
             self._pending.extend(findings)
             return []
-        return [self._report(v) for f in findings for v in f.resolve()]
+        return self._resolved(findings)
+
+    def _resolved(self, findings: list[Finding]) -> list[Verdict]:
+        """The findings' verdicts, reported; a write into a free page as its late writer's."""
+        out: list[Verdict] = []
+        for finding in findings:
+            verdicts = finding.resolve()
+            if finding.kind == Canary.WRITE_TO_FREE_PAGE:
+                verdicts = self._late_writers(verdicts, finding)
+            out.extend(self._report(v) for v in verdicts)
+        return out
+
+    def _late_writers(self, verdicts: list[Verdict], finding: Finding) -> list[Verdict]:
+        """A write into a free page is the late WRITER's finding, not the allocating request's:
+        that request has read nothing (its own write comes first, and were it to read the page
+        unwritten, its read is a finding of its own, naming the writer as a source). The
+        writer is the holder of the generation the page's tag says was written last (a late
+        write carries its request's tag); one verdict per writer, the allocating request kept
+        as ``detail["next_owner"]``. No sources: the finding is nobody's read. On an accelerator
+        the tags are the ones taken at the allocation (``finding.tags``): by the time the
+        finding is read the next owner may have written the page."""
+        if self.state is None:
+            return verdicts
+        tags: dict[int, int] = {}
+        if finding.tags is not None:
+            pages = (
+                finding.pages.tolist() if isinstance(finding.pages, torch.Tensor) else finding.pages
+            )
+            taken = (
+                finding.tags.tolist() if isinstance(finding.tags, torch.Tensor) else finding.tags
+            )
+            tags = dict(zip(pages, taken, strict=True))
+        out: list[Verdict] = []
+        for verdict in verdicts:
+            index = self.state.index(verdict.pages)
+            then = [tags[p] for p in verdict.pages] if tags else None
+            keys, _ = self.state.sources(index, then)
+            writers: dict[tuple[str, str], list[int]] = {}
+            for page, key in zip(verdict.pages, keys, strict=True):
+                ident = self.requests.get(key) if key not in (NOBODY, UNKNOWN) else None
+                writers.setdefault(ident or ("", ""), []).append(page)
+            detail = dict(verdict.detail)
+            if verdict.request_id:
+                detail["next_owner"] = _text(verdict.request_id)
+            for (rid, instance), pages in sorted(writers.items()):
+                out.append(
+                    replace(
+                        verdict, request_id=rid, instance=instance, pages=tuple(pages),
+                        detail=detail,
+                    )
+                )  # fmt: skip
+        return out
 
     def _report(self, verdict: Verdict, residue: Sequence[tuple[str, str]] = ()) -> Verdict:
         """Count a mismatch and write its event record, once per request instance, detector and

@@ -36,6 +36,10 @@ _COLUMNS = (
     "PAGES",
 )
 _SHOWN_PAGES = 8
+#: Kinds whose request read nothing: a write into a free page is its late writer's (older
+#: producers named the page's next owner there, with the writer as a source). A read of such
+#: a page before it is overwritten is a finding of its own.
+NOT_READS: Final = frozenset({"write_to_free_page"})
 #: The disclosure view's JSON format (``--exposed --json``): its ``v``. 2: a reader is an
 #: incident (``findings``, ``id``); ``counts`` counts incidents, not findings, and ``exposed``.
 EXPOSED_VERSION: Final = 2
@@ -162,6 +166,8 @@ def _add_finding(incident: dict[str, Any], row: dict[str, Any]) -> None:
     if row["detector"] not in incident["detectors"]:
         incident["detectors"].append(row["detector"])
     incident["pages_total"] = max(incident["pages_total"], row["pages_total"])
+    if row["kind"] in NOT_READS:  # its request read nothing: it names no reader, no source
+        return
     named = bool(incident["sources"] or incident["other_sources"])
     # The reader names the incident: the side whose pages held other requests' KV, else the
     # decode side (which reads what prefill sent), else the first finding's.

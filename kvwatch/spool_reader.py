@@ -43,7 +43,7 @@ from kvspool import SchemaError, catalogue, decode_payload, iter_frames
 from kvspool.framing import SEGMENT_SUFFIX
 from kvspool.records import SERIES_OF, TYPE_NAME, Counters, Event, Gauges, Hello, Record, Seal
 from kvspool.writer import PRIVATE_SUFFIX
-from kvwatch.incidents import JOIN_SECONDS
+from kvwatch.incidents import JOIN_SECONDS, NOT_READS
 from kvwatch.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
 from kvwatch.spoolowner import Ignored, OwnerRule, user_name
 from kvwatch.state import Producer, Segment, State
@@ -619,6 +619,8 @@ class SpoolReader:
                     source.written_at,
                 )
             )
+        if record.kind in NOT_READS:  # an older producer's late write: nobody read it
+            return
         seen = self._exposed_seen
         counted = seen.get(record.request_id)
         if counted is None or ts - counted[0] > JOIN_SECONDS:

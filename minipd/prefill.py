@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from typing import Any
@@ -105,6 +106,10 @@ class PrefillWorker:
         self.requests: dict[str, PrefillRequest] = {}
         self.transfers = 0
         self.rejected = 0
+        # How "transfer complete" reaches decode (HTTP), and how a delayed write is sent later
+        # (a thread): an in-process driver (tests/minipd/inprocess.py) sets both.
+        self.complete: Callable[[str, Body], tuple[int, Body]] = _post_complete
+        self.send_later: Callable[[Transfer, float], None] = self._send_on_thread
         logger.info(
             startup_line(self.pool_tokens, cfg.context_length, cfg.max_running_requests, device)
         )
@@ -216,10 +221,13 @@ class PrefillWorker:
         faults = self.cfg.faults
         if job.number == faults.late_write:
             self.log.info("rid=%s fault: page writes delayed %.2fs", rid, faults.late_write_delay)
-            threading.Thread(target=self._send, args=(job, faults.late_write_delay)).start()
+            self.send_later(job, faults.late_write_delay)
             return 200, {"written_pages": count, "drained": False}
         self._send(job, 0.0)
         return 200, {"written_pages": count, "drained": True}
+
+    def _send_on_thread(self, job: Transfer, delay: float) -> None:
+        threading.Thread(target=self._send, args=(job, delay)).start()
 
     def _send(self, job: Transfer, delay: float) -> None:
         """Write the pages into decode's pool, tag them, then send "transfer complete"."""
@@ -249,7 +257,7 @@ class PrefillWorker:
             "aborted": job.aborted,
             "written_pages": len(job.src),
         }
-        status, _ = httpjson.call(job.decode_url, "/transfer_complete", message)
+        status, _ = self.complete(job.decode_url, message)
         if status != 200:
             self.log.warning("rid=%s transfer complete not delivered: %d", job.rid, status)
 
@@ -263,6 +271,10 @@ class PrefillWorker:
     def close(self) -> None:
         if self.watch is not None:
             self.watch.close()
+
+
+def _post_complete(decode_url: str, message: Body) -> tuple[int, Body]:
+    return httpjson.call(decode_url, "/transfer_complete", message)
 
 
 def main(

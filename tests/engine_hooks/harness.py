@@ -79,6 +79,9 @@ def backends_agree(dtype: torch.dtype, kind: str, *, kernel: bool, ops: int) -> 
             device.claim(d, owner, now)
         elif op == "sources":
             assert host.sources(h) == device.sources(d)
+            then = host.written_tags(h)
+            assert then == device.written_tags(d).tolist()
+            assert host.sources(h, then) == device.sources(d, torch.tensor(then))
         elif op == "scrub":
             host.scrub(h)
             device.scrub(d)

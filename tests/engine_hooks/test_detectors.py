@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine_hooks import Mode, Seal, Verdict
+from engine_hooks.pagestate import DevicePages
 from kvspool.schema import MAX_EVENT_SOURCES
 from tests.engine_hooks.harness import Pair, fill
 
@@ -273,7 +274,9 @@ def test_late_write_into_free_page_names_its_writer(pair: Pair) -> None:
     pair.decode_free.remove(pages[2])
     (verdict,) = pair.decode.on_alloc(pages[2:3], "next-owner")
     assert verdict.kind == "write_to_free_page"
-    assert named(verdict) == {"aborted": 1}
+    # The late writer's finding: the next owner read nothing (it writes the page first).
+    assert verdict.request_id == "aborted" and verdict.instance == ticket.instance
+    assert verdict.sources == () and verdict.detail["next_owner"] == "next-owner"
 
 
 def test_late_write_after_reuse_names_the_late_writer(pair: Pair) -> None:
@@ -409,3 +412,28 @@ def test_a_peers_malformed_residue_is_dropped_not_raised() -> None:
     wire = {"page_count": 1, "digest": 7, "residue": [["a", "i"], "junk", [1], ["b", ""]]}
     assert Seal.from_wire(wire).residue == (("a", "i"), ("b", ""))
     assert Seal.from_wire({"page_count": 1, "digest": 7, "residue": None}).residue == ()
+
+
+def test_late_writer_read_later_is_named_by_the_tags_at_allocation() -> None:
+    """On an accelerator a write into a free page is read at the next sync point, after the
+    next owner's own write may have retagged the page: the writer is the holder of the tags
+    taken at the allocation, never the next owner. (The device path, on a CPU pool.)"""
+    pair = Pair.build("mha", torch.bfloat16)
+    decode = pair.decode
+    assert decode.pool is not None
+    device = DevicePages(decode.pool)
+    decode.state = device
+    assert decode.tags is not None and decode.canary is not None
+    decode.tags.state = decode.canary.state = device
+    decode._on_device = True
+    decode.on_free(list(range(decode.pool.num_pages)))
+    pages, ticket, _ = pair.clean_request("aborted", 2)
+    pair.free("decode", pages)
+    pair.late_write("aborted", pages[:1], ticket.tags[:1])
+    pair.decode_free.remove(pages[0])
+    assert decode.on_alloc(pages[:1], "next-owner") == []  # deferred to the sync point
+    reader = decode.on_reserve("next-owner", pages[:1])
+    assert reader is not None
+    decode.pool.mark_written(pages[:1], reader.tags)  # the next owner's write lands first
+    (verdict,) = [v for v in decode.resolve() if v.kind == "write_to_free_page"]
+    assert verdict.request_id == "aborted" and verdict.detail["next_owner"] == "next-owner"

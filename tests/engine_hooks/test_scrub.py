@@ -79,7 +79,8 @@ def test_late_write_while_the_page_is_free(layout: tuple[str, torch.dtype], scru
     pair.late_write("aborted", pages[:1], ticket.tags[:1])
     pair.decode_free.remove(pages[0])
     (found,) = pair.decode.on_alloc(pages[:1], "next")
-    assert found.kind == "write_to_free_page" and named(found) == {"aborted": 1}
+    assert found.kind == "write_to_free_page" and found.request_id == "aborted"
+    assert found.sources == () and found.detail["next_owner"] == "next"
     reader = pair.decode.on_reserve("next", pages[:1])
     assert reader is not None
     leaked = others_data(pair, pages[:1])
