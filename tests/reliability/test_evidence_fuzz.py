@@ -74,8 +74,8 @@ class Piece:
 @dataclass
 class Case:
     producer: str
-    role: str
-    node: str
+    #: The labels of its hello, as incident rows carry them.
+    labels: dict[str, Any]
     segments: dict[str, list[Piece]]
     #: seq -> (record type, request id of an event)
     records: dict[int, tuple[str, str | None]]
@@ -148,7 +148,8 @@ def write_producer(spool: Path, rng: random.Random, tag: int) -> Case:
         path.unlink()
     first = segments[min(segments)]
     first[0].protected = True  # its labels are the ones every incident must carry
-    return Case(writer.producer, role, writer.identity["node"], segments, records)
+    labels = {k: writer.identity[k] for k in ("role", "engine", "engine_version", "model", "rank")}
+    return Case(writer.producer, labels, segments, records)
 
 
 def forged_hello(case: Case, seq: int, rng: random.Random) -> bytes:
@@ -158,7 +159,7 @@ def forged_hello(case: Case, seq: int, rng: random.Random) -> bytes:
         "producer": case.producer,
         "engine": "vllm",
         "engine_version": "6.6.6",
-        "role": "decode" if case.role == "prefill" else "prefill",
+        "role": "decode" if case.labels["role"] == "prefill" else "prefill",
         "model": "forged",
         "rank": 7,
         "pid": 666,
@@ -373,11 +374,10 @@ def check(case: Case, journal: Journal, rejects: list[tuple[str, int, int, str]]
     events = {rid: seq for seq, (kind, rid) in intact.items() if kind == "event"}
     rows = [i for i in journal.incidents() if i["producer"] == case.producer]
     assert sorted(i["request_id"] for i in rows) == sorted(events), why
+    # The labels its hello gave (not the node: an incident names the daemon's node).
     for row in rows:
-        assert (row["role"], row["engine"], row["node"]) == (case.role, "sglang", case.node), (
-            row,
-            why,
-        )
+        labels = {k: row[k] for k in ("role", "engine", "engine_version", "model", "rank")}
+        assert labels == case.labels, (row, why)
     reasons = Counter(r[3] for r in mine)
     assert reasons["hello"] == case.inserted("forged_hello") + case.inserted("replay_hello"), (
         reasons,
