@@ -19,7 +19,7 @@ are counted by reason (each forged or replayed ``hello`` a ``hello`` reject, eac
 lost are exactly the damaged ones below the last intact one, and the journal, /metrics, the
 status page and ``kvwatch incidents`` render. Deterministic (seeded, with the writer's names and
 clock fixed); ``KVWATCH_FUZZ_EXAMPLES=N`` runs N batches of 24 producers per family from a
-fresh seed, which a failure names (docs/reliability.md).
+fresh seed, which a failure names (``KVWATCH_FUZZ_SEED`` replays it; docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -51,7 +51,11 @@ LONG = int(os.environ.get("KVWATCH_FUZZ_EXAMPLES", "0"))
 #: Batches per mutation family (FAMILIES) in the normal suite: 2,160 producers in all.
 BATCHES = {"hello": 15, "into_next": 15, "sequence": 20, "torn": 15, "all": 25}
 PRODUCERS_PER_BATCH = 24
-SEED = 20261201 if not LONG else random.SystemRandom().randrange(1 << 32)
+#: ``KVWATCH_FUZZ_SEED`` replays the seed a failure named.
+SEED = int(
+    os.environ.get("KVWATCH_FUZZ_SEED")
+    or (20261201 if not LONG else random.SystemRandom().randrange(1 << 32))
+)
 
 DAMAGE = ("flip", "cut", "length", "into_next", "magic", "crc")
 
@@ -258,7 +262,9 @@ def mutate(case: Case, rng: random.Random, family: Family) -> None:
                 seq = max(1, (before[-1] if before else 1) - rng.randint(0, 3))
             new = Piece(bytearray(forged_hello(case, seq, rng)), inserted="forged_hello")
         else:
-            earlier = [p for p in pieces[:at] if p.seq is not None and p.damage is None]
+            earlier = [
+                p for p in pieces[:at] if p.seq is not None and not (p.damage or p.into_next)
+            ]
             if not earlier:
                 continue
             source = rng.choice(earlier)
