@@ -138,6 +138,7 @@ REJECT_REASON: Final = Label(
         "schema": "an unknown schema version or record type",
         "producer": "a record naming another producer than its segment",
         "sequence": "a sequence number not above the last one seen (duplicate, replay)",
+        "hello": "a hello that is not its segment's first record (forged or replayed)",
         "internal": "the daemon failed to store a valid record (a daemon bug): dead-lettered",
         "owner": "a segment file owned by a user not allowed to write the spool",
         "not_regular": "a segment name that is a FIFO, device, directory or symlink",

@@ -19,6 +19,8 @@ from kvspool.records import MAX_RECORD_BYTES
 MAGIC: Final = b"KVWR"
 HEADER: Final = struct.Struct("<4sII")
 HEADER_BYTES: Final = HEADER.size
+#: The longest intact frame: a read this long holds any frame whole.
+MAX_FRAME_BYTES: Final = HEADER_BYTES + MAX_RECORD_BYTES
 SEGMENT_SUFFIX: Final = ".kvs"
 
 
@@ -40,6 +42,15 @@ class Frame(NamedTuple):
 
 
 _new_tuple: Final = tuple.__new__
+
+
+def _magic_head(buf: bytes, start: int) -> int:
+    """Where, from ``start``, the end of ``buf`` may begin a magic (``len(buf)`` if nowhere)."""
+    size = len(buf)
+    for at in range(start, size):
+        if MAGIC.startswith(buf[at:]):
+            return at
+    return size
 
 
 def iter_frames(buf: bytes, offset: int = 0, *, final: bool = False) -> Iterator[Frame]:
@@ -77,7 +88,12 @@ def iter_frames(buf: bytes, offset: int = 0, *, final: bool = False) -> Iterator
         nxt = find(MAGIC, pos + 1)
         if nxt < 0 and error == "crc":
             # No frame can start in the rest of the buffer: resume where this one claims to end
-            # (what follows may be the start of a frame still being written).
+            # (what follows may be the start of a frame still being written), unless the last
+            # bytes before that end may be the head of the next frame's magic.
+            head = size if final else _magic_head(buf, max(pos + 1, size - len(MAGIC) + 1))
+            if end > head:
+                yield Frame(pos, head, error=error, open=True)
+                return
             yield Frame(pos, end, error=error)
             pos = end
             continue

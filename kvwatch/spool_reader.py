@@ -40,7 +40,7 @@ import msgspec
 import structlog
 
 from kvspool import SchemaError, catalogue, decode_payload, iter_frames
-from kvspool.framing import SEGMENT_SUFFIX
+from kvspool.framing import MAX_FRAME_BYTES, SEGMENT_SUFFIX
 from kvspool.records import SERIES_OF, TYPE_NAME, Counters, Event, Gauges, Hello, Record, Seal
 from kvspool.writer import PRIVATE_SUFFIX
 from kvwatch.incidents import JOIN_SECONDS, NOT_READS
@@ -355,8 +355,9 @@ class SpoolReader:
 
     def _read_until(self, fd: int, segment: Segment, size: int, *, final: bool) -> bool:
         """Read ``segment`` up to ``size``; False when stopped at the budget."""
+        want = self.chunk_bytes
         while segment.offset < size and self._budget > 0:
-            data = os.pread(fd, min(size - segment.offset, self.chunk_bytes), segment.offset)
+            data = os.pread(fd, min(size - segment.offset, want), segment.offset)
             if not data:
                 return True
             last = final and segment.offset + len(data) >= size
@@ -367,7 +368,13 @@ class SpoolReader:
             ):
                 self._commit()
             if consumed == 0:
+                if segment.offset + len(data) < size and want < MAX_FRAME_BYTES:
+                    # The frame (or a damaged length) runs past this read, not past the
+                    # file: read again, wide enough for the longest frame.
+                    want = MAX_FRAME_BYTES
+                    continue
                 return True  # an incomplete frame at the end: wait for the rest
+            want = self.chunk_bytes
         return segment.offset >= size or self._budget > 0
 
     def _consume(self, segment: Segment, data: bytes, *, final: bool = False) -> int:
@@ -389,11 +396,13 @@ class SpoolReader:
         name = segment.producer
         pid = producer.id
         last, last_ts = producer.last_seq, producer.last_ts
-        open_damage = segment.open_damage
+        open_damage, started = segment.open_damage, segment.started
         for offset, end, payload, error, is_open in iter_frames(data, final=final):
             if payload is None:
-                if offset == 0 and open_damage:
-                    open_damage = is_open  # the damage counted in the last read
+                # What continues the damage counted in the last read is not counted again; a
+                # frame that starts with a magic (a torn tail, say) is new damage.
+                if offset == 0 and open_damage and error == "framing":
+                    open_damage = is_open
                     continue
                 open_damage = is_open
                 reason = error or "framing"
@@ -408,11 +417,20 @@ class SpoolReader:
             if record.producer != name:
                 self._reject(segment, base + offset, end - offset, "producer", "")
                 continue
+            if type(record) is Hello and (started or _relabels(producer, record)):
+                # Who writes a segment is said once, by its first record (the writer's hello),
+                # and a producer is one process: a later hello, or one that names another
+                # process than the producer's first, is forged or replayed. It is neither
+                # applied nor allowed to take a sequence number from the records after it.
+                message = "not its segment's first record" if started else "another identity"
+                self._reject(segment, base + offset, end - offset, "hello", message)
+                continue
             seq = record.seq
             if seq <= last:
                 message = f"seq {seq} not above {last}"
                 self._reject(segment, base + offset, end - offset, "sequence", message)
                 continue
+            started = True
             ts = record.ts
             if not earliest <= ts <= latest:
                 ts = now
@@ -440,7 +458,7 @@ class SpoolReader:
             self._incidents(producer)
         accepted = start_budget - budget
         producer.last_seq, producer.last_ts = last, last_ts
-        segment.open_damage = open_damage
+        segment.open_damage, segment.started = open_damage, started
         self._budget = budget
         state.last_record_ts = newest
         segment.offset = base + end
@@ -808,6 +826,17 @@ class SpoolReader:
         self._incidents_seen.clear()
         self._exposed_seen.clear()  # what it counted may not have been committed
         self.state.replace_with(self.journal.load())
+
+
+def _relabels(producer: Producer, hello: Hello) -> bool:
+    """True when ``hello`` names another process than the one ``producer``'s first hello did."""
+    return producer.pid != 0 and (
+        hello.engine, hello.engine_version, hello.role, hello.model, hello.rank, hello.pid,
+        hello.node,
+    ) != (
+        producer.engine, producer.engine_version, producer.role, producer.model, producer.rank,
+        producer.pid, producer.node,
+    )  # fmt: skip
 
 
 def _locked(fd: int) -> bool:

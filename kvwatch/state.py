@@ -89,6 +89,12 @@ class Segment:
     rejects: int = 0
     #: The last read ended inside damage (not persisted: after a restart it is counted again).
     open_damage: bool = False
+    #: A record of it was stored: a hello now is not its first record, so forged or replayed
+    #: (not persisted: after a restart, a position past its start counts as started).
+    started: bool = False
+
+    def __post_init__(self) -> None:
+        self.started = self.started or self.offset > 0
 
 
 @dataclass(slots=True)

@@ -125,3 +125,36 @@ def test_every_intact_frame_after_damage_is_read(
         assert found[-1].end == len(stream)
     read = [f.payload for f in found if f.payload is not None]
     assert is_subsequence(intact, read), (intact, read)
+
+
+def read_in_pieces(stream: bytes, cuts: list[int]) -> list[bytes]:
+    """Read ``stream`` as the daemon tails a growing segment: what has arrived at each cut, from
+    the last frame's end, then the rest as final. Returns the intact payloads read."""
+    offset, read = 0, []
+    for size in [*sorted(cuts), len(stream)]:
+        if size <= offset:
+            continue
+        end = 0
+        for frame in iter_frames(stream[offset:size], final=size == len(stream)):
+            if frame.payload is not None:
+                read.append(frame.payload)
+            end = frame.end
+        offset += end
+    return read
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(st.lists(PAYLOADS, min_size=2, max_size=6), st.integers(0, 5), st.integers(1, 3))
+def test_a_damaged_length_into_the_next_frame_skips_nothing_across_reads(
+    payloads: list[bytes], which: int, into: int
+) -> None:
+    """A damaged frame claims to end 1-3 bytes into the next one, and a read ends inside the
+    next one's magic: resync still starts after the damaged frame's start."""
+    pieces = [bytearray(encode_frame(p)) for p in payloads]
+    i = which % (len(pieces) - 1)
+    struct.pack_into("<I", pieces[i], 4, len(pieces[i]) - 12 + into)
+    stream = b"".join(bytes(p) for p in pieces)
+    start_next = sum(len(p) for p in pieces[: i + 1])
+    for cut in range(start_next, start_next + 4):
+        read = read_in_pieces(stream, [cut])
+        assert is_subsequence(payloads[:i] + payloads[i + 1 :], read), (cut, read)

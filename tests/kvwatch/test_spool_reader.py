@@ -46,20 +46,22 @@ def test_records_events_and_counters_reach_the_journal(
 def test_an_incident_takes_the_labels_its_producer_had_when_it_was_read(
     spool: Path, reader: SpoolReader, journal: Journal, state: State
 ) -> None:
-    """Incident rows are built once per read, not per event: a hello in the middle of a read
-    (new labels) must not relabel the events read before it, and the incident counter counts
-    each under its own role."""
+    """Incident rows are built once per read, not per event: the next segment's hello (the
+    first one whose frame is intact) read in the same poll must not relabel the events read
+    before it, and the incident counter counts each under its own role."""
     p = Producer(spool)
-    first = p.hello()
-    p.identity.update(model="llama", role="prefill", rank=3)
-    p.append(first, p.event("before"), p.hello(), p.event("after"))
+    lost = bytearray(p.hello())
+    lost[-2] ^= 0xFF  # a damaged hello: the producer has no labels yet
+    p.append(bytes(lost), p.event("before"), p.seal())
+    p.index += 1
+    p.append(p.hello(), p.event("after"))
     assert reader.poll().records == 4
     rows = [(i["request_id"], i["model"], i["role"], i["rank"]) for i in journal.incidents()]
-    assert rows == [("before", "glm-5.3", "decode", 0), ("after", "llama", "prefill", 3)]
+    assert rows == [("before", "", "other", 0), ("after", "glm-5.3", "decode", 0)]
     counted = {k[1]: v for k, v in state.daemon.items() if k[0] == "incidents"}
     assert counted == {
+        ("canary", "other", "unwritten_page"): 1,
         ("canary", "decode", "unwritten_page"): 1,
-        ("canary", "prefill", "unwritten_page"): 1,
     }
 
 
