@@ -304,6 +304,40 @@ class JournalError(RuntimeError):
     pass
 
 
+_SQLITE_HEADER: Final = b"SQLite format 3\x00"
+#: The tables a kvwatch journal has (a start interrupted before its schema row wrote some).
+_OWN_TABLES: Final = frozenset(
+    {"meta", "producers", "segments", "records", "incidents", "exposures", "rejects", "gaps"}
+    | {"counters"}
+)
+
+
+def _not_a_journal(path: Path, db: sqlite3.Connection | None) -> str | None:
+    """Why ``path`` is not a kvwatch journal (an empty file or database is a new one), or None.
+
+    Checked before anything is written: another program's SQLite file must not get kvwatch's
+    tables, nor be switched to WAL mode."""
+    if db is None:
+        try:
+            with path.open("rb") as handle:
+                head = handle.read(len(_SQLITE_HEADER))
+        except FileNotFoundError:
+            return None
+        if head and head != _SQLITE_HEADER:
+            return f"{path} is not a kvwatch journal (not an SQLite database); give another path"
+        return None
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "meta" in tables and db.execute("SELECT 1 FROM meta WHERE key = 'schema'").fetchone():
+        return None
+    if tables - _OWN_TABLES:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        return (
+            f"{path} is an SQLite database but not a kvwatch journal (tables: {shown}); "
+            "give another path"
+        )
+    return None
+
+
 class Journal:
     """One SQLite database; the daemon's connection writes, ``readonly=True`` is for queries."""
 
@@ -315,9 +349,25 @@ class Journal:
         if readonly:
             if not self.path.exists():
                 raise JournalError(f"no journal at {self.path}")
+            if self.path.is_file() and self.path.stat().st_size == 0:
+                raise JournalError(
+                    f"{self.path} is empty: no kvwatch daemon has started on it (give the "
+                    "daemon's journal)"
+                )
+            foreign = _not_a_journal(self.path, None)
+            if foreign:
+                raise JournalError(foreign)
             uri = f"file:{self.path}?mode=ro"
             self.db = sqlite3.connect(uri, uri=True, isolation_level=None)
             self.db.execute("PRAGMA query_only = ON")
+            if not self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+            ).fetchone():
+                self.db.close()
+                raise JournalError(
+                    f"{self.path} is an SQLite database but not a kvwatch journal (no kvwatch "
+                    "tables); give the daemon's journal"
+                )
             schema = self.meta("schema")
             # A reader may hold a journal the daemon has not migrated yet (a copy from another
             # node, an older kvwatch): schema 2 reads as one without sources.
@@ -329,7 +379,14 @@ class Journal:
             return
         self.schema = SCHEMA_VERSION
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        foreign = _not_a_journal(self.path, None)
+        if foreign:
+            raise JournalError(foreign)
         self.db = sqlite3.connect(self.path, isolation_level=None)
+        foreign = _not_a_journal(self.path, self.db)
+        if foreign:
+            self.db.close()
+            raise JournalError(foreign)
         mode = self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise JournalError(f"{self.path}: SQLite refused WAL mode ({mode})")
