@@ -182,7 +182,7 @@ class Range:
     duration: bool = True  # shown with a unit (seconds), else a whole number
 
     def show(self, value: float, like: float) -> str:
-        return show_duration(value, like) if self.duration else f"{value:.12g}"
+        return show_duration(value, like) if self.duration else f"{value:.15g}"
 
     def check(self, name: str, value: float) -> None:
         span = f"(from {self.show(self.low, self.low)} to {self.show(self.high, self.high)})"
