@@ -45,7 +45,8 @@ def number(
     low: float, high: float, *, whole: bool = False, above: bool = False, unit: str = ""
 ) -> Callable[[str], float]:
     """An argparse ``type``: a number from ``low`` (excluded when ``above``) to ``high``."""
-    span = f"(from {low:.15g} to {high:.15g}{unit})"
+    lo, hi = f"{low:.15g}", f"{high:.15g}"
+    span = f"(from {lo} to {hi}{unit})"
 
     def parse(text: str) -> float:
         try:
@@ -54,9 +55,9 @@ def number(
             what = "a whole number" if whole else "a number"
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r} {span}") from None
         if above and not value > low:
-            raise argparse.ArgumentTypeError(f"must be more than {low:.15g}{unit}, got {text} {span}")
+            raise argparse.ArgumentTypeError(f"must be more than {lo}{unit}, got {text} {span}")
         if not (above or value >= low) or not value <= high:
-            raise argparse.ArgumentTypeError(f"must be {low:.15g} to {high:.15g}{unit}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {lo} to {hi}{unit}, got {text}")
         return value
 
     parse.__name__ = "whole number" if whole else "number"  # argparse's "invalid <name> value"
