@@ -56,6 +56,14 @@ def _both(*setups: Callable[[Path], None]) -> Callable[[Path], None]:
 _not_db = _write("journal.db", "this is not a database\n" * 100)
 
 
+def _bad_ca(t: Path) -> None:
+    """An Alertmanager CA bundle that is not PEM: ssl's error was a traceback."""
+    (t / "ca.pem").write_text("not a certificate\n")
+    (t / "k.toml").write_text(
+        f'alertmanager_urls = ["https://127.0.0.1:9"]\nalertmanager_ca_file = "{t}/ca.pem"\n'
+    )
+
+
 def _other_app(t: Path) -> None:
     """Another program's SQLite database, where the journal should be."""
     db = sqlite3.connect(t / "journal.db")
@@ -127,6 +135,12 @@ MISTAKES: list[Mistake] = [
         2,
         "[[logs]] unknown key 'rol' (did you mean 'role'?)",
         _write("k.toml", "[[logs]]\npath = '/x.log'\nrol = 'decode'\n"),
+    ),
+    Mistake(
+        (*D, "--config", "{t}/k.toml"),
+        1,
+        "cannot load alertmanager_ca_file {t}/ca.pem: NO_CERTIFICATE_OR_CRL_FOUND (not a PEM",
+        _bad_ca,
     ),
     # daemon: runtime faults
     Mistake(
