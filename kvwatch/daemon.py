@@ -200,11 +200,6 @@ class Daemon:
                 self.incidents_log.recover(self.journal)
             except (OSError, sqlite3.Error) as exc:
                 self.log.error("incidents_log.recover_failed", path=log_path, error=_reason(exc))
-        self.nvml = Nvml(config.nvml)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(KvwatchCollector(self.state, self.nvml))
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
         try:
             # The fast path to Alertmanager reads the same samples /metrics serves.
             self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
@@ -213,6 +208,11 @@ class Daemon:
             self._unlock()
             self._remove_created()
             raise DaemonError(str(exc)) from None
+        self.nvml = Nvml(config.nvml)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(KvwatchCollector(self.state, self.nvml))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self.stop = threading.Event()
         #: Set once the journal is open and the first poll is committed (``/-/ready``).
         self.ready = threading.Event()
