@@ -318,7 +318,9 @@ def render() -> dict[Path, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m alerts.generate", description=__doc__)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m alerts.generate", description=__doc__
+    )
     parser.add_argument("--root", type=Path, default=REPO, help="repository root to write under")
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)

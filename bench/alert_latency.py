@@ -95,7 +95,7 @@ def fleet_runs(runs: int, production: bool, fast_path: bool) -> tuple[list[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=None, help="default: 5, or 8 with --fleet")
     parser.add_argument("--fleet", action="store_true", help="the HA fleet bed (tests/fleet)")
     parser.add_argument(

@@ -204,7 +204,7 @@ def catch_up(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--producers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)

@@ -298,7 +298,7 @@ def minipd_leak(device: torch.device) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--dry", action="store_true", help="CPU, small sizes, interpreter")
     parser.add_argument("--skip-minipd", action="store_true")
     args = parser.parse_args()

@@ -25,7 +25,7 @@ from bench.daemon import catch_up, link_copy, write_backlog
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=300_000)
     parser.add_argument("--producers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)

@@ -50,15 +50,15 @@ def latency(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("soak")
+    s = sub.add_parser("soak", allow_abbrev=False)
     s.add_argument("--minutes", type=float, default=30.0)
     s.add_argument("--rate", type=float, default=4000.0, help="records/s, all producers")
     s.add_argument("--producers", type=int, default=16)
     s.add_argument("--warmup", type=float, default=60.0, help="seconds before RSS start")
     s.add_argument("--samples", type=Path, help="write the per-second samples here (JSON lines)")
-    lat = sub.add_parser("latency")
+    lat = sub.add_parser("latency", allow_abbrev=False)
     lat.add_argument("--seconds", type=float, default=60.0, help="per condition")
     lat.add_argument("--rate", type=float, default=5000.0, help="appends/s")
     lat.add_argument(

@@ -160,7 +160,7 @@ def status(stack: Stack) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m demo", description=__doc__)
     parser.add_argument(
         "--hold",
         action=argparse.BooleanOptionalAction,

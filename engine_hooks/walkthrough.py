@@ -95,7 +95,7 @@ def heading(text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--spool", default=None, help="spool directory (default: a new temp dir)")
     parser.add_argument("--mode", default="log", choices=[m.value for m in Mode])
     args = parser.parse_args(argv)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -35,6 +36,8 @@ PRIVATE_SUFFIX: Final = ".new"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 # After a failure to open a segment, wait this long before trying again.
 _RETRY_SECONDS = 1.0
+#: The engine's log (Python logging): told once when the spool cannot be written.
+logger = logging.getLogger("kvwatch.spool")
 
 
 class SpoolWriter:
@@ -77,6 +80,8 @@ class SpoolWriter:
         self._retry_full = False
         self._next_check = 0.0
         self._closed = False
+        #: The spool failure the engine's log was told of (until a segment opens again).
+        self._warned = False
 
     # -- public -------------------------------------------------------------------------------
 
@@ -188,16 +193,36 @@ class SpoolWriter:
                 self._retry_full = True
                 raise OSError("spool full")
             fd = self._create_locked(self.segment_path)
-        except OSError:
+        except OSError as exc:
             self._retry_at = now + _RETRY_SECONDS
             self.dropped["spool_full" if self._retry_full else "write_error"] += 1
             if not self._retry_full:
                 self._segment_index += 1  # never append to a file we did not create
+            self._warn(exc)
             return False
+        if self._warned:
+            logger.warning("kvwatch: the spool %s is written again", self.directory)
+            self._warned = False
         self._fd = fd
         self._size = 0
         # Each segment starts with who wrote it, so the daemon can label it on its own.
         return self._append(self._frame(schema.HELLO, self.identity)) or True
+
+    def _warn(self, exc: OSError) -> None:
+        """One warning per failure, not per record: the drop counter counts each record."""
+        if self._warned:
+            return
+        self._warned = True
+        if self._retry_full:
+            why = f"{self.max_segments} segments of this process unread (is the daemon running?)"
+        else:
+            why = f"{exc.strerror or exc}; set KVWATCH_SPOOL to a folder this user can write"
+        logger.warning(
+            "kvwatch: cannot write the spool %s: %s. Detection records are dropped and counted "
+            "(kvwatch_spool_dropped_records_total) until it can be written",
+            self.directory,
+            why,
+        )
 
     @staticmethod
     def _create_locked(path: Path) -> int:

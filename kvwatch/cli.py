@@ -13,6 +13,7 @@ import sqlite3
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -22,7 +23,16 @@ from typing import Any
 from kvspool.catalogue import DETECTOR, KIND, OTHER, ROLE
 from kvwatch import __version__, assets, dashboards_push, probe
 from kvwatch import config as configuration
-from kvwatch.clihelp import Formatter, Parser, add_command, fail, paint, use_colour
+from kvwatch.clihelp import (
+    Formatter,
+    Parser,
+    add_command,
+    fail,
+    join_negative_values,
+    number,
+    paint,
+    use_colour,
+)
 from kvwatch.incidents import EXPOSED_VERSION
 
 # What `incidents` filters on: the catalogue's names ("other" is no detector or kind of its own).
@@ -84,9 +94,13 @@ def _daemon(args: argparse.Namespace) -> int:
         config = configuration.from_mapping(overrides, config)
         if args.log:
             config.logs = config.logs + [configuration.parse_log_flag(v) for v in args.log]
-        configuration.check_retention(config, allow_short=args.allow_short_retention)
+        warnings = configuration.check_retention(config, allow_short=args.allow_short_retention)
     except configuration.ConfigError as exc:
         return fail("daemon", str(exc), 2)
+    import structlog
+
+    for warning in warnings:
+        structlog.get_logger("kvwatch.config").warning("config.adjusted", message=warning)
     try:
         daemon = Daemon(config)
     except DaemonError as exc:
@@ -158,6 +172,11 @@ def _incidents(args: argparse.Namespace) -> int:
     try:
         since = None if args.since is None else parse_since(args.since, now)
         until = None if args.until is None else parse_since(args.until, now, option="--until")
+        if since is not None and until is not None and since >= until:
+            raise configuration.ConfigError(
+                f"--since {args.since} is not before --until {args.until}: nothing can match "
+                "(a duration counts back from now: --since 2h --until 1h)"
+            )
         _choice("--detector", args.detector, DETECTORS)
         _choice("--kind", args.kind, KINDS)
     except configuration.ConfigError as exc:
@@ -182,7 +201,9 @@ def _incidents(args: argparse.Namespace) -> int:
                 found.append(journal.incidents(since=since, until=until, detector=args.detector))
             finally:
                 journal.close()
-        except (JournalError, sqlite3.Error, OSError) as exc:
+        except JournalError as exc:  # it names the journal
+            return fail("incidents", str(exc))
+        except (sqlite3.Error, OSError) as exc:
             return fail("incidents", f"cannot read the journal {path}: {exc}")
     read = incidents_log.ReadResult()
     for path in args.incidents_log or []:
@@ -319,9 +340,13 @@ def _export(args: argparse.Namespace) -> int:
 STATUS_EXIT = {"ok": 0, "warning": 3, "alarm": 4}
 
 
+#: The longest ``status --timeout`` (seconds): a health check that waits longer is stuck.
+STATUS_MAX_TIMEOUT = 3600.0
+
+
 def status_url(args: argparse.Namespace) -> str:
     if args.url:
-        return str(args.url).rstrip("/")
+        return _daemon_url(str(args.url))
     listen = configuration.load(args.config).listen if args.config else configuration.DEFAULT_LISTEN
     host, port = configuration.parse_listen(listen)
     if host in ("0.0.0.0", "::"):
@@ -329,26 +354,52 @@ def status_url(args: argparse.Namespace) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
+def _daemon_url(text: str) -> str:
+    """``--url``: an http(s) URL, or the daemon's ``HOST:PORT`` (its listen setting), as
+    http."""
+    url = text.strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise configuration.ConfigError(
+            f"--url {text!r}: expected HOST:PORT or an http(s) URL "
+            f"(e.g. 127.0.0.1:{configuration.DEFAULT_PORT} or "
+            f"https://10.0.0.7:{configuration.DEFAULT_PORT})"
+        )
+    return url
+
+
 def _status(args: argparse.Namespace) -> int:
+    def error(message: str, code: int) -> int:
+        if args.json:  # a machine reading --json gets JSON, whatever went wrong
+            print(json.dumps({"error": message, "exit_code": code}, sort_keys=True))
+        return fail("status", message, code)
+
     try:
         url = status_url(args)
     except configuration.ConfigError as exc:
-        return fail("status", str(exc), 2)
+        return error(str(exc), 2)
     request = urllib.request.Request(url + "/", headers={"Accept": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as reply:
             summary: dict[str, Any] = json.loads(reply.read())
     except urllib.error.HTTPError as exc:
-        return fail("status", f"the daemon at {url} answered HTTP {exc.code}")
+        return error(f"the daemon at {url} answered HTTP {exc.code}", 1)
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        return fail(
-            "status",
+        return error(
             f"no kvwatch daemon answers at {url} ({reason}); is it running? "
             "(systemctl status kvwatch)",
+            1,
         )
     except ValueError:
-        return fail("status", f"{url} did not answer with kvwatch's status JSON")
+        return error(f"{url} did not answer with kvwatch's status JSON", 1)
     if args.json:
         print(json.dumps(summary, sort_keys=True, indent=2))
     else:
@@ -481,15 +532,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="this node's verdict from the running daemon, in the terminal",
         description="The status page's summary: the headline (the worst of integrity, spool "
         "access, unsafe band, coverage and freshness) and one line per check. Exit 0 ok, 3 "
-        "warning, 4 alarm, 1 when no daemon answers. The integrity alarm counts affected "
-        "requests (incidents) until each is acknowledged (kvwatch ack) or its last "
-        "finding is older than the daemon's alarm_window (unless alarm_until_ack is set).",
-        examples=["kvwatch status", "kvwatch status --url http://10.0.0.7:29321 --json"],
+        "warning, 4 alarm, 1 when no daemon answers (with --json, an object with the error), "
+        "2 for a usage error. The integrity alarm counts affected requests (incidents) until "
+        "each is acknowledged (kvwatch ack) or its last finding is older than the daemon's "
+        "alarm_window (unless alarm_until_ack is set).",
+        examples=["kvwatch status", "kvwatch status --url 10.0.0.7:29321 --json"],
     )
     status.add_argument(
         "--url",
-        help=f"the daemon's address (default: from --config's listen, else "
-        f"http://{configuration.DEFAULT_LISTEN})",
+        help="the daemon's HOST:PORT (its listen setting) or an http(s) URL (default: from "
+        f"--config's listen, else "
+        f"{configuration.DEFAULT_LISTEN})",
     )
     status.add_argument("--config", help="the daemon's TOML config, to find its listen address")
     status.add_argument("--json", action="store_true", help="the summary as JSON")
@@ -499,7 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="colour the verdict; auto: on a terminal, unless NO_COLOR is set",
     )
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    status.add_argument(
+        "--timeout",
+        type=number(0, STATUS_MAX_TIMEOUT, above=True, unit="s"),
+        default=5.0,
+        help="seconds to wait for the daemon",
+    )
     status.set_defaults(func=_status)
 
     ack = add_command(
@@ -655,7 +713,9 @@ def _add_daemon(commands: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(
+        join_negative_values(parser, sys.argv[1:] if argv is None else argv)
+    )
     if extra:
         # argparse reports a subcommand's unknown option with the top-level usage; name the
         # subcommand whose option it is not.

@@ -31,7 +31,7 @@ DEFAULT_JOURNAL: Final = "/var/lib/kvwatch/journal.db"
 #: The incidents log's file name, beside the journal unless configured.
 INCIDENTS_LOG_NAME: Final = "incidents.jsonl"
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 #: Below this, a retention is almost always a unit mistake (``30`` meant days, not seconds):
 #: refused unless the operator confirms it (``--allow-short-retention``).
@@ -66,6 +66,11 @@ def parse_duration(value: object, *, setting: str = "duration") -> float:
     """
     text = str(value)
     match = _DURATION.match(text)
+    negative = text.strip().startswith("-") and _DURATION.match(text.strip()[1:])
+    if negative and not isinstance(value, bool):
+        raise ConfigError(
+            f"{setting}: not a duration: {value!r} is negative (use e.g. 90s, 15m, 1h, 30d)"
+        )
     if isinstance(value, bool) or match is None:
         raise ConfigError(f"{setting}: not a duration: {value!r} (use e.g. 90s, 15m, 1h, 30d)")
     if match.group(2) is None:
@@ -86,8 +91,13 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def check_retention(config: Config, *, allow_short: bool) -> None:
-    """Refuse a retention that would prune evidence within the hour, unless confirmed."""
+def check_retention(config: Config, *, allow_short: bool) -> list[str]:
+    """Refuse a retention that would prune evidence within the hour, unless confirmed.
+
+    Returns warnings to log: a records_retention longer than retention acts as the retention
+    (the daemon prunes per-record rows with the incidents they account for), said when it was
+    set rather than left at its default.
+    """
     for name in ("retention", "records_retention"):
         seconds = getattr(config, name)
         if seconds <= 0:
@@ -97,6 +107,16 @@ def check_retention(config: Config, *, allow_short: bool) -> None:
                 f"{name}: {seconds:g}s would delete incidents within the hour; "
                 "pass --allow-short-retention if you mean it"
             )
+    warnings = []
+    # Left at its default, a records_retention longer than a short retention is no news.
+    was_set = config.records_retention != Config.records_retention
+    if was_set and config.records_retention > config.retention:
+        warnings.append(
+            f"records_retention {show_duration(config.records_retention)} is longer than "
+            f"retention {show_duration(config.retention)}: per-record rows are kept only as "
+            "long as the incidents they account for; using the retention"
+        )
+    return warnings
 
 
 @dataclass
@@ -155,6 +175,72 @@ class Config:
 
     def uids(self) -> list[int]:
         return self.allowed_uids or [os.geteuid()]
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting takes: ``low`` (included unless ``above``) to ``high``."""
+
+    low: float
+    high: float
+    above: bool = False  # low itself is refused: "more than low"
+    duration: bool = True  # shown with a unit (seconds), else a whole number
+
+    def show(self, value: float, like: float) -> str:
+        return show_duration(value, like) if self.duration else f"{value:.15g}"
+
+    def check(self, name: str, value: float) -> None:
+        span = f"(from {self.show(self.low, self.low)} to {self.show(self.high, self.high)})"
+        if self.above and not value > self.low:
+            raise ConfigError(
+                f"{name}: must be more than {self.show(self.low, self.low)}, "
+                f"got {self.show(value, self.low)} {span}"
+            )
+        if not self.above and not value >= self.low:
+            raise ConfigError(
+                f"{name}: must be at least {self.show(self.low, self.low)}, "
+                f"got {self.show(value, self.low)} {span}"
+            )
+        if not value <= self.high:
+            raise ConfigError(
+                f"{name}: must be at most {self.show(self.high, self.high)}, "
+                f"got {self.show(value, self.high)} {span}"
+            )
+
+
+def show_duration(seconds: float, like: float | None = None) -> str:
+    """``seconds`` in the largest unit that ``like`` (default: itself) is at least one of."""
+    ref = seconds if like is None else like
+    if ref == 0:
+        return f"{seconds:g}s"
+    for unit in ("w", "d", "h", "m", "s"):
+        if abs(ref) >= _UNITS[unit] and (ref / _UNITS[unit]).is_integer():
+            return f"{seconds / _UNITS[unit]:g}{unit}"
+    return f"{seconds * 1000:g}ms" if abs(ref) < 1 else f"{seconds:g}s"
+
+
+#: Ten years: a retention beyond it is a typo (``1e30d``), not a policy.
+MAX_RETENTION: Final = 3650 * 86400.0
+#: Every numeric setting's range, checked after the file and the flags are read.
+RANGES: Final = {
+    "retention": Range(0.0, MAX_RETENTION, above=True),
+    "records_retention": Range(0.0, MAX_RETENTION, above=True),
+    # 0s would spin a core polling the spool; nothing an engine writes needs under 10ms, and a
+    # poll a minute apart already leaves the status page a minute stale.
+    "poll_interval": Range(MIN_POLL_INTERVAL, 60.0),
+    "idle_grace": Range(0.1, 3600.0),
+    "alertmanager_timeout": Range(0.1, 300.0),
+    # Alertmanager resolves an alert not re-sent within its resolve_timeout (5m by default).
+    "alertmanager_resend": Range(1.0, 3600.0),
+    "prometheus_scrape_interval": Range(0.1, 3600.0),
+    # 0 would delete every quarantined segment, the evidence, as soon as it is moved there.
+    "quarantine_max": Range(1, 100_000, duration=False),
+    "incidents_log_max_bytes": Range(4096, 1 << 40, duration=False),
+    "incidents_log_keep": Range(0, 1000, duration=False),
+    "alarm_window": Range(1.0, 366 * 86400.0),
+}
+#: A uid: 0 to 2^32 - 2 (the last is (uid_t) -1, "no user").
+UID_RANGE: Final = Range(0, 2**32 - 2, duration=False)
 
 
 _DURATIONS: Final = {
@@ -234,19 +320,10 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
                 raise ConfigError(f"{key}: expected a string, got {value!r}")
             setattr(config, key, value)
     parse_listen(config.listen)
-    if config.poll_interval < MIN_POLL_INTERVAL:
-        # 0s would spin a core polling the spool; nothing an engine writes needs under 10ms.
-        raise ConfigError(
-            f"poll_interval: must be at least {MIN_POLL_INTERVAL * 1000:g}ms, "
-            f"got {config.poll_interval * 1000:g}ms"
-        )
-    if not 1.0 <= config.alarm_window <= 366 * 86400.0:
-        raise ConfigError(f"alarm_window: must be 1s to 366d, got {config.alarm_window:g}s")
-    if config.incidents_log_max_bytes < 4096 or config.incidents_log_keep < 0:
-        raise ConfigError(
-            "incidents_log_max_bytes must be at least 4096 and incidents_log_keep at least 0, "
-            f"got {config.incidents_log_max_bytes} and {config.incidents_log_keep}"
-        )
+    for name, allowed in RANGES.items():
+        allowed.check(name, getattr(config, name))
+    for uid in config.allowed_uids:
+        UID_RANGE.check("allowed_users", uid)
     return config
 
 

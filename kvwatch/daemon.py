@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import sqlite3
 import threading
@@ -52,7 +53,24 @@ class DaemonError(Exception):
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
-    return " ".join(str(exc).split())
+    # An SSLError made from one message (prometheus_client re-raises the certificate's error
+    # so) prints as a tuple: "('Cannot load ...',)". The message, without OpenSSL's source line.
+    args = exc.args
+    text = args[0] if len(args) == 1 and isinstance(args[0], str) else str(exc)
+    return " ".join(_SSL_SOURCE.sub("", text).split())
+
+
+_SSL_SOURCE: Final = re.compile(r"\s*\(_ssl\.c:\d+\)")
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and its folders that do not exist yet, innermost first ([] when it exists)."""
+    out: list[Path] = []
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out
 
 
 def _flock(fd: int, what: str, path: str) -> None:
@@ -143,6 +161,9 @@ class Daemon:
         self.log = structlog.get_logger("kvwatch.daemon")
         self._locks: list[int] = []
         self._spool_lock: int | None = None
+        #: The journal file and folders this start creates: removed again if it fails, so that
+        #: no empty journal is left for ``kvwatch incidents`` to stumble on.
+        self._created = _missing(Path(config.journal))
         try:
             self._locks.append(lock_journal(config.journal))
             self._spool_lock = lock_spool(config.spool_dir)
@@ -151,10 +172,13 @@ class Daemon:
             try:
                 self.journal = Journal(config.journal)
                 self.state = self.journal.load()
-            except (JournalError, sqlite3.Error, OSError) as exc:
+            except JournalError as exc:
+                raise DaemonError(str(exc)) from None  # it names the journal
+            except (sqlite3.Error, OSError) as exc:
                 raise DaemonError(f"journal {config.journal}: {_reason(exc)}") from None
         except BaseException:
             self._unlock()
+            self._remove_created()
             raise
         self.reader = SpoolReader(
             config.spool_dir,
@@ -177,17 +201,19 @@ class Daemon:
                 self.incidents_log.recover(self.journal)
             except (OSError, sqlite3.Error) as exc:
                 self.log.error("incidents_log.recover_failed", path=log_path, error=_reason(exc))
+        try:
+            # The fast path to Alertmanager reads the same samples /metrics serves.
+            self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
+        except ConfigError as exc:
+            self.journal.close()
+            self._unlock()
+            self._remove_created()
+            raise DaemonError(str(exc)) from None
         self.nvml = Nvml(config.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KvwatchCollector(self.state, self.nvml))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        try:
-            # The fast path to Alertmanager reads the same samples /metrics serves.
-            self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
-        except ConfigError as exc:
-            self._unlock()
-            raise DaemonError(str(exc)) from None
         self.stop = threading.Event()
         #: Set once the journal is open and the first poll is committed (``/-/ready``).
         self.ready = threading.Event()
@@ -233,7 +259,9 @@ class Daemon:
         except OSError as exc:
             self.log.error("daemon.listen_failed", listen=self.config.listen, error=_reason(exc))
             self.close()
+            self._remove_created()
             return 1
+        self._created = []  # started: the journal is this daemon's from now on
         self.log.info(
             "daemon.started",
             version=__version__,
@@ -294,6 +322,20 @@ class Daemon:
         self.journal.close()
         self._unlock()
 
+    def _remove_created(self) -> None:
+        """Undo what a failed start created: the journal (with SQLite's side files), then the
+        folders made for it, if still empty."""
+        created, self._created = self._created, []
+        if not created:
+            return
+        journal = created[0]
+        for path in (journal, *(Path(f"{journal}{end}") for end in ("-wal", "-shm", "-journal"))):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        for folder in created[1:]:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
     def _unlock(self) -> None:
         for fd in [*self._locks, self._spool_lock]:
             if fd is not None:
@@ -339,7 +381,7 @@ class Daemon:
                     self.state,
                     now=now,
                     retention=self.config.retention,
-                    records_retention=self.config.records_retention,
+                    records_retention=min(self.config.records_retention, self.config.retention),
                 )
                 ok = True
                 if deleted:

@@ -192,6 +192,8 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    if not value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be at most 3600 seconds, got {text!r}")
     return value
 
 

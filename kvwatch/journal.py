@@ -324,6 +324,40 @@ class JournalError(RuntimeError):
     pass
 
 
+#: The tables a kvwatch journal has (a start interrupted before its schema row wrote some).
+_OWN_TABLES: Final = frozenset(
+    {"meta", "producers", "segments", "records", "incidents", "exposures", "rejects", "gaps"}
+    | {"counters", "acks"}
+)
+
+
+def _not_a_journal(path: Path, db: sqlite3.Connection) -> str | None:
+    """Why the database ``db`` has open at ``path`` is not a kvwatch journal (an empty file or
+    database is a new one), or None.
+
+    Checked before anything is written: another program's SQLite file must not get kvwatch's
+    tables, nor be switched to WAL mode. SQLite itself reads the header: opening and closing the
+    file here would drop every POSIX lock this process's SQLite connections hold on it (they
+    are per process), and another process could then delete the daemon's WAL under it."""
+    try:
+        tables = {
+            row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+    except sqlite3.DatabaseError as exc:
+        if "not a database" not in str(exc):
+            raise
+        return f"{path} is not a kvwatch journal (not an SQLite database); give another path"
+    if "meta" in tables and db.execute("SELECT 1 FROM meta WHERE key = 'schema'").fetchone():
+        return None
+    if tables - _OWN_TABLES:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        return (
+            f"{path} is an SQLite database but not a kvwatch journal (tables: {shown}); "
+            "give another path"
+        )
+    return None
+
+
 class Journal:
     """One SQLite database; the daemon's connection writes, ``readonly=True`` is for queries."""
 
@@ -335,9 +369,26 @@ class Journal:
         if readonly:
             if not self.path.exists():
                 raise JournalError(f"no journal at {self.path}")
+            if self.path.is_file() and self.path.stat().st_size == 0:
+                raise JournalError(
+                    f"{self.path} is empty: no kvwatch daemon has started on it (give the "
+                    "daemon's journal)"
+                )
             uri = f"file:{self.path}?mode=ro"
             self.db = sqlite3.connect(uri, uri=True, isolation_level=None)
             self.db.execute("PRAGMA query_only = ON")
+            foreign = _not_a_journal(self.path, self.db)
+            if foreign:
+                self.db.close()
+                raise JournalError(foreign)
+            if not self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+            ).fetchone():
+                self.db.close()
+                raise JournalError(
+                    f"{self.path} is an SQLite database but not a kvwatch journal (no kvwatch "
+                    "tables); give the daemon's journal"
+                )
             schema = self.meta("schema")
             # A reader may hold a journal the daemon has not migrated yet (a copy from another
             # node, an older kvwatch): schema 2 reads as one without sources, 3 as one without
@@ -351,6 +402,10 @@ class Journal:
         self.schema = SCHEMA_VERSION
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, isolation_level=None)
+        foreign = _not_a_journal(self.path, self.db)
+        if foreign:
+            self.db.close()
+            raise JournalError(foreign)
         mode = self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise JournalError(f"{self.path}: SQLite refused WAL mode ({mode})")

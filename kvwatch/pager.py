@@ -256,7 +256,16 @@ class Pager:
             password = _read_password(config.alertmanager_password_file)
             token = base64.b64encode(f"{config.alertmanager_username}:{password}".encode())
             self._headers["Authorization"] = "Basic " + token.decode()
-        self._tls = ssl.create_default_context(cafile=config.alertmanager_ca_file or None)
+        try:
+            self._tls = ssl.create_default_context(cafile=config.alertmanager_ca_file or None)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            if isinstance(exc, ssl.SSLError):  # its reason, not a tuple and OpenSSL's source line
+                reason = f"{exc.reason or exc} (not a PEM CA bundle)"
+            else:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(
+                f"cannot load alertmanager_ca_file {config.alertmanager_ca_file}: {reason}"
+            ) from None
         self.trackers: dict[tuple[str, tuple[str, ...]], Tracker] = {}
         self._baseline: dict[tuple[str, tuple[str, ...]], float] | None = None
         self._seen: tuple[float, float] = (-1.0, -1.0)

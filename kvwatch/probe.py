@@ -376,7 +376,9 @@ def target_from_args(args: argparse.Namespace) -> tuple[int, int | None]:
 
 
 def add_parser(commands: Any) -> None:
-    from kvwatch.clihelp import Formatter
+    from kvwatch.clihelp import Formatter, number
+
+    tokens = number(1, 1 << 30, whole=True)
 
     parser = commands.add_parser(
         "probe",
@@ -393,14 +395,14 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--model", help="model name for --api openai (default: none)")
     size = parser.add_argument_group("sizing (one of)")
-    size.add_argument("--prompt-tokens", type=int, help="send a prompt of this many tokens")
+    size.add_argument("--prompt-tokens", type=tokens, help="send a prompt of this many tokens")
     size.add_argument(
-        "--pool-tokens", type=int, help="the KV pool, in tokens (with --context-length)"
+        "--pool-tokens", type=tokens, help="the KV pool, in tokens (with --context-length)"
     )
     size.add_argument(
         "--context-length",
         dest="context_length_tokens",
-        type=int,
+        type=tokens,
         help="the advertised context length, in tokens",
     )
     size.add_argument(
@@ -410,12 +412,23 @@ def add_parser(commands: Any) -> None:
         "--tokenizer", help="a local Hugging Face tokenizer.json (default: calibrate)"
     )
     parser.add_argument(
-        "--markers", type=int, default=16, help="marker requests planted before the long prompt"
+        "--markers",
+        type=number(1, 1024, whole=True),
+        default=16,
+        help="marker requests planted before the long prompt",
     )
     parser.add_argument(
-        "--marker-repeats", type=int, default=2000, help="times each marker is repeated"
+        "--marker-repeats",
+        type=number(1, 1 << 20, whole=True),
+        default=2000,
+        help="times each marker is repeated",
     )
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    parser.add_argument(
+        "--timeout",
+        type=number(0, 86400, above=True, unit="s"),
+        default=1800.0,
+        help="seconds per request",
+    )
     parser.add_argument("--json", action="store_true", help="the report as JSON")
     parser.add_argument(
         "--i-own-this-deployment",

@@ -12,7 +12,7 @@ from minipd.tokenizer import PIECE_BYTES
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="start router, prefill and decode")
+    p = sub.add_parser("serve", allow_abbrev=False, help="start router, prefill and decode")
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
     p.add_argument("--port", type=int, default=8000, help="router port (0: any free port)")
     p.add_argument("--prefill-port", type=int, default=0)
@@ -94,10 +94,14 @@ def config_from(args: argparse.Namespace) -> ServeConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minipd", description=__doc__)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m minipd", description=__doc__
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    demo = sub.add_parser("demo", help="replay the incident's incident on 0.5.19 with kvwatch log")
+    demo = sub.add_parser(
+        "demo", allow_abbrev=False, help="replay the incident's incident on 0.5.19 with kvwatch log"
+    )
     demo.add_argument("--release", default="0.5.19", choices=sorted(RELEASES))
     demo.add_argument("--kvwatch", choices=["off", "log", "enforce"], default="log")
     demo.add_argument("--device", default="cpu", help="where the KV pools live: cpu or cuda")

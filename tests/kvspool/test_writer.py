@@ -162,3 +162,71 @@ def test_the_payload_is_the_schemas_json_and_a_non_finite_value_is_rejected(
     contents = read_spool(tmp_path)
     assert contents.errors == {"malformed": 1}
     assert [r["type"] for r in contents.records] == ["hello", "gauges", "event"]
+
+
+def _unwritable(tmp_path: Path) -> Path:
+    # A file where the folder should be: unwritable for every user, root included.
+    (tmp_path / "blocked").write_text("")
+    return tmp_path / "blocked" / "spool"
+
+
+def test_an_unwritable_spool_is_one_warning_in_the_engines_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """KVWATCH_SPOOL unwritable: one warning (Python logging) per failure, however many records
+    are dropped, and the drop counter counts each; the engine keeps going."""
+    spool = _unwritable(tmp_path)
+    w = writer(spool)
+    with caplog.at_level("WARNING", logger="kvwatch.spool"):
+        for i in range(300):
+            assert not w.write(schema.EVENT, event(i))
+            if i == 150:
+                time.sleep(1.1)  # past the retry: the open fails again, still one warning
+    warnings = [r for r in caplog.records if r.name == "kvwatch.spool"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert f"cannot write the spool {spool}" in message and "KVWATCH_SPOOL" in message
+    assert "\n" not in message
+    assert w.dropped["write_error"] == 300
+
+
+def test_a_full_spool_is_one_warning_and_recovery_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = writer(tmp_path, segment_bytes=4096, max_segments=2)
+    with caplog.at_level("WARNING", logger="kvwatch.spool"):
+        for i in range(200):
+            w.write(schema.EVENT, event(i))
+        for path in tmp_path.iterdir():
+            path.unlink()  # the daemon catches up
+        time.sleep(1.1)
+        assert w.write(schema.EVENT, event(999))
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvwatch.spool"]
+    assert len(messages) == 2, messages
+    assert "2 segments of this process unread (is the daemon running?)" in messages[0]
+    assert "is written again" in messages[1]
+
+
+def test_an_unwritable_spool_warns_in_an_engine_process_without_logging_setup(
+    tmp_path: Path,
+) -> None:
+    """An engine that configured no logging still shows the warning on stderr, once."""
+    import subprocess
+    import sys
+
+    spool = _unwritable(tmp_path)
+    code = (
+        "from kvspool import SpoolWriter, schema\n"
+        f"w = SpoolWriter({str(spool)!r}, engine='sglang', role='decode')\n"
+        "for i in range(1000):\n"
+        "    w.write(schema.EVENT, {'detector': 'canary', 'kind': 'unwritten_page',"
+        " 'mode': 'log', 'action': 'logged', 'request_id': str(i), 'pages': [1],"
+        " 'pages_total': 1, 'detail': {}})\n"
+        "print(sum(w.dropped.values()))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "1000"
+    assert result.stderr.count("cannot write the spool") == 1, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -55,6 +55,25 @@ def _both(*setups: Callable[[Path], None]) -> Callable[[Path], None]:
 
 
 _not_db = _write("journal.db", "this is not a database\n" * 100)
+
+
+def _bad_ca(t: Path) -> None:
+    """An Alertmanager CA bundle that is not PEM: ssl's error was a traceback."""
+    (t / "ca.pem").write_text("not a certificate\n")
+    (t / "k.toml").write_text(
+        f'alertmanager_urls = ["https://127.0.0.1:9"]\nalertmanager_ca_file = "{t}/ca.pem"\n'
+    )
+
+
+def _other_app(t: Path) -> None:
+    """Another program's SQLite database, where the journal should be."""
+    db = sqlite3.connect(t / "journal.db")
+    db.execute("CREATE TABLE users (name TEXT)")
+    db.execute("INSERT INTO users VALUES ('ada')")
+    db.commit()
+    db.close()
+
+
 _token = _write("token", "glsa_token\n")
 _dir = _write("dir/.keep", "")
 D = ("daemon", "--spool-dir", "{t}/spool", "--journal", "{t}/journal.db", "--no-nvml")
@@ -118,6 +137,12 @@ MISTAKES: list[Mistake] = [
         "[[logs]] unknown key 'rol' (did you mean 'role'?)",
         _write("k.toml", "[[logs]]\npath = '/x.log'\nrol = 'decode'\n"),
     ),
+    Mistake(
+        (*D, "--config", "{t}/k.toml"),
+        1,
+        "cannot load alertmanager_ca_file {t}/ca.pem: NO_CERTIFICATE_OR_CRL_FOUND (not a PEM",
+        _bad_ca,
+    ),
     # daemon: runtime faults
     Mistake(
         ("daemon", "--journal", "{t}/dir", "--no-nvml"), 1, "journal {t}/dir is a directory", _dir
@@ -134,7 +159,37 @@ MISTAKES: list[Mistake] = [
         "spool_dir {t}/file is a file, not a folder",
         _write("file", "x"),
     ),
-    Mistake((*D,), 1, "journal {t}/journal.db: file is not a database", _not_db),
+    Mistake((*D,), 1, "{t}/journal.db is not a kvwatch journal (not an SQLite database)", _not_db),
+    Mistake(
+        (*D,),
+        1,
+        "{t}/journal.db is an SQLite database but not a kvwatch journal (tables: users)",
+        _other_app,
+    ),
+    # daemon: no abbreviations (--spool was taken as --spool-dir), and values checked
+    Mistake(
+        ("daemon", "--spool", "{t}/s", "--journal", "{t}/j.db"),
+        2,
+        "kvwatch daemon: unrecognized arguments: --spool {t}/s",
+    ),
+    Mistake((*D, "--journ", "{t}/j.db"), 2, "unrecognized arguments: --journ"),
+    Mistake((*D, "--retention", "-5d"), 2, "retention: not a duration: '-5d' is negative"),
+    Mistake((*D, "--retention", "1e30d"), 2, "retention: must be at most 3650d, got 1e+30d"),
+    Mistake((*D, "--records-retention", "9999d"), 2, "records_retention: must be at most 3650d"),
+    Mistake((*D, "--idle-grace", "2h"), 2, "idle_grace: must be at most 1h, got 2h"),
+    Mistake((*D, "--poll-interval", "5m"), 2, "poll_interval: must be at most 1m, got 5m"),
+    Mistake(
+        (*D, "--config", "{t}/k.toml"),
+        2,
+        "quarantine_max: must be at least 1, got -3 (from 1 to 100000)",
+        _write("k.toml", "quarantine_max = -3\n"),
+    ),
+    Mistake(
+        (*D, "--config", "{t}/k.toml"),
+        2,
+        "alertmanager_resend: must be at least 1s, got 0s",
+        _write("k.toml", 'alertmanager_resend = "0s"\n'),
+    ),
     # incidents
     Mistake(
         ("incidents", "--journal", "{t}/journal.db", "--detector", "Canary"),
@@ -155,9 +210,28 @@ MISTAKES: list[Mistake] = [
     Mistake(
         ("incidents", "--journal", "{t}/journal.db"),
         1,
-        "cannot read the journal {t}/journal.db: file is not a database",
+        "{t}/journal.db is not a kvwatch journal (not an SQLite database)",
         _not_db,
     ),
+    Mistake(
+        ("incidents", "--journal", "{t}/journal.db"),
+        1,
+        "{t}/journal.db is an SQLite database but not a kvwatch journal",
+        _other_app,
+    ),
+    Mistake(
+        ("incidents", "--journal", "{t}/journal.db"),
+        1,
+        "{t}/journal.db is empty: no kvwatch daemon has started on it",
+        _write("journal.db", ""),
+    ),
+    Mistake(
+        ("incidents", "--since", "1h", "--until", "2h", "--journal", "{t}/journal.db"),
+        2,
+        "--since 1h is not before --until 2h: nothing can match",
+        _journal,
+    ),
+    Mistake(("incidents", "--jour", "{t}/journal.db"), 2, "unrecognized arguments: --jour"),
     Mistake(("incidents", "--bogus"), 2, "kvwatch incidents: unrecognized arguments: --bogus"),
     # spool
     Mistake(("spool", "{t}/none"), 1, "{t}/none does not exist"),
@@ -181,6 +255,16 @@ MISTAKES: list[Mistake] = [
     # status
     Mistake(("status", "--url", "http://127.0.0.1:9"), 1, "no kvwatch daemon answers at"),
     Mistake(("status", "--config", "{t}/none.toml"), 2, "cannot read config {t}/none.toml"),
+    Mistake(("status", "--timeout", "-1"), 2, "argument --timeout: must be more than 0s, got -1"),
+    Mistake(("status", "--timeout", "0"), 2, "argument --timeout: must be more than 0s, got 0"),
+    Mistake(("status", "--timeout", "nan"), 2, "argument --timeout: must be more than 0s"),
+    Mistake(("status", "--timeout", "1e9"), 2, "argument --timeout: must be 0 to 3600s, got 1e9"),
+    Mistake(
+        ("status", "--url", "127.0.0.1:9"), 1, "no kvwatch daemon answers at http://127.0.0.1:9"
+    ),
+    Mistake(("status", "--url", "http://"), 2, "--url 'http://': expected HOST:PORT or an http(s)"),
+    Mistake(("status", "--url", "ftp://x:1"), 2, "expected HOST:PORT or an http(s) URL"),
+    Mistake(("status", "--time", "1"), 2, "kvwatch status: unrecognized arguments: --time"),
     # probe
     Mistake(("probe", "--url", "not-a-url", "--prompt-tokens", "9"), 2, "is not an HTTP URL"),
     Mistake(("probe", "--url", "http://127.0.0.1:9"), 2, "say how long: --prompt-tokens"),
@@ -193,6 +277,22 @@ MISTAKES: list[Mistake] = [
         "kvwatch probe: ",
     ),
     Mistake(("probe", "--url", "http://127.0.0.1:9", "--bogus"), 2, "kvwatch probe: unrecognized"),
+    Mistake(("probe", "--url", "http://127.0.0.1:9", "--prompt", "9"), 2, "unrecognized arguments"),
+    Mistake(
+        ("probe", "--url", "http://127.0.0.1:9", "--prompt-tokens", "9", "--markers", "0"),
+        2,
+        "argument --markers: must be 1 to 1024, got 0",
+    ),
+    Mistake(
+        ("probe", "--url", "http://127.0.0.1:9", "--prompt-tokens", "-9"),
+        2,
+        "argument --prompt-tokens: must be 1 to 1073741824, got -9",
+    ),
+    Mistake(
+        ("probe", "--url", "http://127.0.0.1:9", "--prompt-tokens", "9", "--timeout", "-5"),
+        2,
+        "argument --timeout: must be more than 0s, got -5",
+    ),
     # dashboards push
     Mistake(("dashboards",), 2, "the following arguments are required: dashboards_command"),
     Mistake(
@@ -210,6 +310,16 @@ MISTAKES: list[Mistake] = [
         ("dashboards", "push", "--url", "x", "--token-file", "t", "--timeout", "0"),
         2,
         "argument --timeout: must be more than 0 seconds",
+    ),
+    Mistake(
+        ("dashboards", "push", "--url", "x", "--token-file", "t", "--timeout", "1e9"),
+        2,
+        "argument --timeout: must be at most 3600 seconds",
+    ),
+    Mistake(
+        ("dashboards", "push", "--url", "x", "--token-file", "t", "--token", "t"),
+        2,
+        "unrecognized arguments: --token t",
     ),
     Mistake(
         (
@@ -286,9 +396,6 @@ def test_journal_in_a_read_only_folder(scratch: Path) -> None:
     -shm file there; the error names the journal."""
     folder = scratch / "ro"
     folder.mkdir()
-    db = sqlite3.connect(folder / "journal.db")
-    db.execute("CREATE TABLE t(x)")
-    db.close()
     Journal(folder / "journal.db").close()
     (folder / "journal.db").chmod(0o644)
     folder.chmod(0o755)
@@ -321,3 +428,121 @@ def test_broken_pipe_is_quiet(scratch: Path) -> None:
     assert result.stdout.count("\n") == 1 and result.stdout.startswith("{")
     assert result.stderr == ""
     assert result.returncode == 1
+
+
+# -- a failed start leaves nothing; another program's file is left as it was ---------------------
+
+
+def test_a_failed_start_creates_no_journal(scratch: Path) -> None:
+    """A start that fails (the port taken, the spool folder a file) leaves no journal and no
+    folder made for it: an empty journal was then read as "no such table: meta"."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    (scratch / "file").write_text("x")
+    try:
+        for extra in (
+            ("--listen", f"127.0.0.1:{port}", "--spool-dir", str(scratch / "s")),
+            ("--spool-dir", str(scratch / "file")),
+        ):
+            result = run_kvwatch(
+                ["daemon", "--journal", str(scratch / "new" / "sub" / "j.db"), "--no-nvml", *extra]
+            )
+            assert result.returncode == 1, result.stderr
+            assert not (scratch / "new").exists(), list((scratch / "new").rglob("*"))
+    finally:
+        taken.close()
+
+
+def test_another_programs_database_is_left_as_it_was(scratch: Path) -> None:
+    """``--journal other-app.db``: refused before anything is written (no kvwatch tables, no
+    switch to WAL mode, no side files)."""
+    _other_app(scratch)
+    before = (scratch / "journal.db").read_bytes()
+    result = run_kvwatch(
+        ["daemon", "--journal", str(scratch / "journal.db"), "--spool-dir", str(scratch / "s")]
+    )
+    assert_one_line(result, 1, "is an SQLite database but not a kvwatch journal (tables: users)")
+    assert (scratch / "journal.db").read_bytes() == before
+    assert sorted(p.name for p in scratch.iterdir()) == ["journal.db"]
+
+
+# -- status ----------------------------------------------------------------------------------
+
+
+def test_status_json_without_a_daemon_is_json(scratch: Path) -> None:
+    """A machine reading ``status --json`` gets an object with the error, and the exit code of
+    the plain command."""
+    import json
+
+    for argv, code in (
+        (["status", "--json", "--url", "127.0.0.1:9"], 1),
+        (["status", "--json", "--url", "http://"], 2),
+        (["status", "--json", "--config", str(scratch / "none.toml")], 2),
+    ):
+        result = run_kvwatch(argv)
+        assert result.returncode == code, result.stderr
+        reply = json.loads(result.stdout)
+        assert reply["exit_code"] == code and reply["error"], reply
+        assert_one_line(result, code, reply["error"][:40])
+
+
+def test_status_takes_the_listen_address_as_written(scratch: Path) -> None:
+    """``status --url 127.0.0.1:29400``: the daemon's listen setting, as the config writes it."""
+    import json
+
+    from tests.kvwatch.daemonproc import DaemonProcess
+
+    daemon = DaemonProcess(scratch, "--no-nvml")
+    try:
+        port = daemon.wait_started()
+        result = run_kvwatch(["status", "--json", "--url", f"127.0.0.1:{port}"])
+        assert result.returncode in (0, 3, 4), result.stderr
+        assert "level" in json.loads(result.stdout)
+    finally:
+        assert daemon.stop() == 0
+
+
+# -- no abbreviations, anywhere ---------------------------------------------------------------
+
+
+def _parsers(parser: object) -> Iterator[object]:
+    import argparse
+
+    assert isinstance(parser, argparse.ArgumentParser)
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_no_parser_takes_an_abbreviation() -> None:
+    """``--spool DIR`` was taken as ``--spool-dir``: every kvwatch and minipd parser and
+    subparser refuses abbreviations, and every other command line in the repository is built
+    with ``allow_abbrev=False``."""
+    import ast
+
+    from kvwatch.cli import build_parser
+    from minipd.cli import build_parser as minipd_parser
+
+    for parser in [*_parsers(build_parser()), *_parsers(minipd_parser())]:
+        assert parser.allow_abbrev is False, parser.prog  # type: ignore[attr-defined]
+    unguarded = []
+    for path in sorted(REPO.rglob("*.py")):
+        relative = path.relative_to(REPO).parts
+        if relative[0] in ("tests", ".venv", "build") or "node_modules" in relative:
+            continue  # the tests' own parsers are no one's command line
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            if node.func.attr not in ("ArgumentParser", "add_parser"):
+                continue
+            if path.parts[-2] == "kvwatch" and node.func.attr == "add_parser":
+                continue  # kvwatch's subparsers are clihelp.Parser: checked above
+            if not any(k.arg == "allow_abbrev" for k in node.keywords):
+                unguarded.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not unguarded

@@ -13,6 +13,7 @@ from kvwatch.config import (
     Config,
     ConfigError,
     check_retention,
+    from_mapping,
     load,
     parse_duration,
     parse_listen,
@@ -128,8 +129,8 @@ def test_log_flags_are_validated(flag: str, message: str) -> None:
         ("[[logs]]\npath = '/x'\nengnie = 'vllm'\n", "(did you mean 'engine'?)"),
         ('listen = "29321"\n', "expected HOST:PORT or :PORT"),
         ("incidents_log_max_bytes = '64MiB'\n", "incidents_log_max_bytes: expected a whole"),
-        ("incidents_log_max_bytes = 100\n", "incidents_log_max_bytes must be at least 4096"),
-        ("incidents_log_keep = -1\n", "incidents_log_keep at least 0"),
+        ("incidents_log_max_bytes = 100\n", "incidents_log_max_bytes: must be at least 4096"),
+        ("incidents_log_keep = -1\n", "incidents_log_keep: must be at least 0, got -1"),
         ("incidents_log = 1\n", "incidents_log: expected a string"),
         ('poll_interval = "0s"\n', "poll_interval: must be at least 10ms, got 0ms"),
     ],
@@ -203,3 +204,65 @@ def test_the_example_config_shows_every_setting_and_each_loads(tmp_path: Path) -
     assert config.alertmanager_username == "kvwatch"
     assert config.alertmanager_password_file == "/etc/kvwatch/alertmanager.password"
     assert [log.role for log in config.logs] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # One bad number deleted the evidence: every quarantined segment went at once.
+        ("quarantine_max = -3\n", "quarantine_max: must be at least 1, got -3 (from 1 to 100000)"),
+        ("quarantine_max = 0\n", "quarantine_max: must be at least 1, got 0"),
+        ("quarantine_max = 1000000\n", "quarantine_max: must be at most 100000, got 1000000"),
+        (
+            'retention = "1e30d"\n',
+            "retention: must be at most 3650d, got 1e+30d (from 0s to 3650d)",
+        ),
+        ('retention = "-5d"\n', "retention: not a duration: '-5d' is negative"),
+        ("retention = -5\n", "retention: not a duration: -5 is negative"),
+        ('records_retention = "4000d"\n', "records_retention: must be at most 3650d, got 4000d"),
+        ('poll_interval = "5m"\n', "poll_interval: must be at most 1m, got 5m (from 10ms to 1m)"),
+        ('idle_grace = "0s"\n', "idle_grace: must be at least 100ms, got 0ms"),
+        ('idle_grace = "2h"\n', "idle_grace: must be at most 1h, got 2h"),
+        ('alertmanager_timeout = "0s"\n', "alertmanager_timeout: must be at least 100ms"),
+        ('alertmanager_timeout = "1h"\n', "alertmanager_timeout: must be at most 5m, got 60m"),
+        ('alertmanager_resend = "0s"\n', "alertmanager_resend: must be at least 1s, got 0s"),
+        ('alertmanager_resend = "1d"\n', "alertmanager_resend: must be at most 1h, got 24h"),
+        ('prometheus_scrape_interval = "2h"\n', "prometheus_scrape_interval: must be at most 1h"),
+        ("incidents_log_max_bytes = 2199023255552\n", "must be at most 1099511627776"),
+        ("incidents_log_keep = 5000\n", "incidents_log_keep: must be at most 1000, got 5000"),
+        ("allowed_users = [-1]\n", "allowed_users: must be at least 0, got -1"),
+        ("allowed_users = [4294967295]\n", "allowed_users: must be at most 4294967294"),
+    ],
+)
+def test_every_numeric_setting_has_a_range(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "kvwatch.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_every_numeric_setting_is_in_the_ranges() -> None:
+    """A numeric setting added later gets a range too (or this fails)."""
+    from kvwatch.config import RANGES
+
+    numeric = {f for f, v in vars(Config()).items() if type(v) in (int, float)}
+    assert numeric == set(RANGES), numeric ^ set(RANGES)
+    for name, allowed in RANGES.items():  # the defaults are inside their ranges
+        allowed.check(name, getattr(Config(), name))
+
+
+def test_the_range_ends_themselves_are_accepted() -> None:
+    config = from_mapping(
+        {"quarantine_max": 1, "poll_interval": "10ms", "idle_grace": "1h", "retention": "3650d"}
+    )
+    assert (config.quarantine_max, config.poll_interval, config.idle_grace) == (1, 0.01, 3600)
+
+
+def test_records_retention_longer_than_retention_is_said() -> None:
+    config = from_mapping({"retention": "30d", "records_retention": "60d"})
+    (warning,) = check_retention(config, allow_short=False)
+    assert "records_retention 60d is longer than retention 30d" in warning
+    # Left at its default (2d), a retention of a day says nothing: the retention applies.
+    assert check_retention(from_mapping({"retention": "1d"}), allow_short=False) == []
+    assert check_retention(from_mapping({}), allow_short=False) == []

@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,56 @@ def test_every_family_on_metrics_is_in_the_catalogue(spool: Path, journal: Journ
     assert catalogue.exposed("mismatches") == "kvwatch_mismatches_total"
     with pytest.raises(ValueError, match=r"kvwatch_mismatch$"):
         catalogue.exposed("mismatch")
+
+
+def test_500_producers_minting_versions_keep_each_cap_exactly(tmp_path: Path) -> None:
+    """Issue 22 item 9: 500 live producers, each with its own engine version, model and rank,
+    read by the real daemon and scraped over HTTP: ``kvwatch_engine_info`` shows exactly the
+    first 16 versions and 16 models plus ``other``, the pool gauges the first 64 ranks plus
+    ``other``. The scrape's other ``version`` labels are kvwatch's own (``kvwatch_build_info``)
+    and Python's (``python_info``), one value each: counted by label name over the whole scrape
+    that makes 19, which is what was reported."""
+    from kvwatch.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS
+    from tests.kvwatch.daemonproc import DaemonProcess
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    for i in range(500):
+        p = Producer(
+            spool,
+            f"sglang-decode-r{i}-{1000 + i}-{i:08x}",
+            version=f"0.{i}.0",
+            model=f"model-{i}",
+            rank=i,
+        )
+        p.append(p.hello(), p.gauges(1000, 2000))
+    # Unlocked segments that stay live: a long idle grace keeps every producer alive.
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--idle-grace", "1h")
+    try:
+        daemon.wait_started()
+        deadline = time.monotonic() + 60
+        while True:
+            text = daemon.scrape()
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            info = families["kvwatch_engine_info"].samples
+            if len(info) == MAX_VERSIONS + 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        assert daemon.stop() == 0
+    versions = {s.labels["version"] for s in info}
+    models = {s.labels["model"] for s in info}
+    assert len(versions) == MAX_VERSIONS + 1 and "other" in versions, sorted(versions)
+    assert len(models) == MAX_MODELS + 1 and "other" in models
+    assert versions - {"other"} <= {f"0.{i}.0" for i in range(500)}
+    ranks = {s.labels["rank"] for s in families["kvwatch_kv_pool_tokens"].samples}
+    assert len(ranks) == MAX_RANKS + 1 and "other" in ranks
+    elsewhere = {
+        (f.name, s.labels["version"])
+        for f in families.values()
+        if f.name != "kvwatch_engine_info"
+        for s in f.samples
+        if "version" in s.labels
+    }
+    assert {name for name, _ in elsewhere} <= {"kvwatch_build_info", "python_info"}
+    assert len(elsewhere) <= 2

@@ -39,3 +39,33 @@ def test_metrics_over_tls_require_a_client_certificate(tmp_path: Path) -> None:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_tls_error_is_a_readable_line(tmp_path: Path) -> None:
+    """A certificate that is not PEM: the log says so in words, not as a Python tuple
+    (``("Cannot load ...",)``), and the failed start leaves no journal."""
+    import json
+
+    from tests.kvwatch.daemonproc import run_cli
+
+    config = tmp_path / "kvwatch.toml"
+    config.write_text(f'tls_cert_file = "{config}"\ntls_key_file = "{config}"\n')
+    result = run_cli(
+        "daemon",
+        "--config",
+        str(config),
+        "--no-nvml",
+        "--listen",
+        "127.0.0.1:0",
+        "--journal",
+        str(tmp_path / "j.db"),
+        "--spool-dir",
+        str(tmp_path / "spool"),
+    )
+    assert result.returncode == 1
+    (event,) = [e for e in map(json.loads, result.stderr.splitlines()) if e["level"] == "error"]
+    assert event["event"] == "daemon.listen_failed"
+    error = str(event["error"])
+    assert error.startswith("Cannot load server certificate file"), error
+    assert "PEM lib" in error and "_ssl.c" not in error and not error.endswith(",)"), error
+    assert not (tmp_path / "j.db").exists()
