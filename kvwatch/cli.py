@@ -136,6 +136,18 @@ def _choice(option: str, value: str | None, allowed: Sequence[str]) -> None:
         )
 
 
+def _time_range(args: argparse.Namespace, now: float) -> tuple[float | None, float | None]:
+    """``--since`` and ``--until`` as Unix times; a range that nothing can match is refused."""
+    since = None if args.since is None else parse_since(args.since, now)
+    until = None if args.until is None else parse_since(args.until, now, option="--until")
+    if since is not None and until is not None and since >= until:
+        raise configuration.ConfigError(
+            f"--since {args.since} is not before --until {args.until}: nothing can match "
+            "(a duration counts back from now: --since 2h --until 1h)"
+        )
+    return since, until
+
+
 def _journal_problem(path: str) -> str | None:
     journal = Path(path)
     if not journal.exists():
@@ -170,13 +182,7 @@ def _incidents(args: argparse.Namespace) -> int:
 
     now = time.time()
     try:
-        since = None if args.since is None else parse_since(args.since, now)
-        until = None if args.until is None else parse_since(args.until, now, option="--until")
-        if since is not None and until is not None and since >= until:
-            raise configuration.ConfigError(
-                f"--since {args.since} is not before --until {args.until}: nothing can match "
-                "(a duration counts back from now: --since 2h --until 1h)"
-            )
+        since, until = _time_range(args, now)
         _choice("--detector", args.detector, DETECTORS)
         _choice("--kind", args.kind, KINDS)
     except configuration.ConfigError as exc:
@@ -245,8 +251,7 @@ def _ack(args: argparse.Namespace) -> int:
     if sum(chosen) != 1:
         return fail("ack", "give one incident ID, a time range (--since/--until) or --all", 2)
     try:
-        since = None if args.since is None else parse_since(args.since, now)
-        until = None if args.until is None else parse_since(args.until, now, option="--until")
+        since, until = _time_range(args, now)
     except configuration.ConfigError as exc:
         return fail("ack", str(exc), 2)
     if args.incident is not None and args.incident < 1:
@@ -272,9 +277,13 @@ def _ack(args: argparse.Namespace) -> int:
     finally:
         reader.close()
     if args.incident is not None:
-        found = [i for i in grouped if any(f["id"] == args.incident for f in i["findings"])]
+        # An incident's id is its first finding's (the ID column of kvwatch incidents): a later
+        # finding's id names no incident, and must not acknowledge the one it joined.
+        found = [i for i in grouped if i["id"] == args.incident]
         if not found:
-            return fail("ack", f"no incident {args.incident} in {path} (kvwatch incidents)")
+            return fail(
+                "ack", f"no incident {args.incident} in {path} (the ID column of kvwatch incidents)"
+            )
         ids = [i["id"] for i in found]
     else:
         ids = [

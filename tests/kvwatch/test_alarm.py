@@ -153,3 +153,28 @@ def test_ack_mistakes_are_one_line(tmp_path: Path) -> None:
         assert done.returncode in (1, 2), done.stderr
         assert message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
     assert not (tmp_path / "none.db").exists()
+
+
+def test_ack_takes_an_incident_id_not_a_later_findings(tmp_path: Path) -> None:
+    """``kvwatch ack ID`` takes the ID column of ``kvwatch incidents``: the id of a finding that
+    joined an incident names no incident, and must not acknowledge that one by accident."""
+    producer = _live_producer(tmp_path / "spool")
+    producer.append(
+        producer.event("leaky", sources=[{"request_id": "alice", "pages": 3}]),
+        producer.event("leaky", detector="page_tag", kind="stale_tag"),
+    )
+    daemon, url = _daemon(tmp_path, 'alarm_window = "1h"')
+    try:
+        _until(lambda: _status(url)[0] == 4)
+        [first] = _incident_ids(daemon.journal)
+        later = run_cli("ack", str(first + 1), "--journal", str(daemon.journal))
+        assert later.returncode == 1 and f"no incident {first + 1}" in later.stderr, later
+        empty = run_cli("ack", "--since", "1h", "--until", "2h", "--journal", str(daemon.journal))
+        assert empty.returncode == 2 and "is not before --until" in empty.stderr, empty
+        assert len(empty.stderr.splitlines()) == 1
+        assert _status(url)[0] == 4  # nothing was acknowledged
+        journal = Journal(daemon.journal, readonly=True)
+        assert journal.acks() == []
+        journal.close()
+    finally:
+        assert daemon.stop() == 0
