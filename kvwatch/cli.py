@@ -80,6 +80,7 @@ def _daemon(args: argparse.Namespace) -> int:
             "retention",
             "records_retention",
             "incidents_log",
+            "node",
         ):
             value = getattr(args, key)
             if value is not None:
@@ -655,6 +656,13 @@ def _add_daemon(commands: Any) -> None:
         metavar="FILE",
         help="append every incident as a JSON line here, for a log shipper; 'off' for none "
         f"(default: {configuration.INCIDENTS_LOG_NAME} beside the journal)",
+    )
+    d.add_argument(
+        "--node",
+        metavar="NAME",
+        help="this node's name in the journal, incidents, status and pages: the same as the "
+        "node label Prometheus gives this target (default: the config's node, else the host "
+        "name; on Kubernetes, the pod's spec.nodeName)",
     )
     d.add_argument(
         "--listen",

@@ -218,6 +218,10 @@ def test_the_image_and_daemonset_match_the_wheel() -> None:
     assert f"mountPath: {DEFAULT_SPOOL_DIR}" in manifest
     assert f"mountPath: {Path(DEFAULT_JOURNAL).parent!s}" in manifest
     assert "capabilities: {drop: [ALL]}" in manifest
+    # One node name: the daemon's --node is the node the ServiceMonitor names the target by.
+    assert '"--node", "$(NODE_NAME)"]' in manifest
+    assert "valueFrom: {fieldRef: {fieldPath: spec.nodeName}}" in manifest
+    assert "{sourceLabels: [__meta_kubernetes_pod_node_name], targetLabel: node}" in manifest
     unit = (REPO / "deploy/kvwatch.service").read_text()
     assert "ExecStart=/opt/kvwatch/bin/kvwatch daemon --config /etc/kvwatch/kvwatch.toml" in unit
     assert "CapabilityBoundingSet=\n" in unit

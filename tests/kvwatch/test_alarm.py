@@ -178,3 +178,20 @@ def test_ack_takes_an_incident_id_not_a_later_findings(tmp_path: Path) -> None:
         journal.close()
     finally:
         assert daemon.stop() == 0
+
+
+def test_the_node_flag_names_the_node_everywhere(tmp_path: Path) -> None:
+    """``--node`` (the DaemonSet passes the pod's spec.nodeName) beats the config's node."""
+    producer = _live_producer(tmp_path / "spool")
+    producer.append(producer.event("leaky"))
+    config = tmp_path / "kvwatch.toml"
+    config.write_text('node = "from-config"\n')
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--config", str(config), "--node", "gpu-node-7")
+    url = f"http://127.0.0.1:{daemon.wait_started()}"
+    try:
+        _until(lambda: _status(url)[0] == 4)
+        assert _status(url)[1]["node"] == "gpu-node-7"
+        listing = run_cli("incidents", "--journal", str(daemon.journal), "--json")
+        assert [i["node"] for i in json.loads(listing.stdout)] == ["gpu-node-7"]
+    finally:
+        assert daemon.stop() == 0
