@@ -1,4 +1,5 @@
-"""The incidents log: every incident the journal commits, once, as one JSON line.
+"""The incidents log: every finding the journal commits, once, as one JSON line (the findings
+of one incident share its node and request id: ``kvwatch.incidents.group`` joins them).
 
 The file a log shipper (Grafana Alloy, Promtail, Fluent Bit) tails into Loki, and that
 ``kvwatch incidents --incidents-log`` reads back for a fleet-wide list. Each line is an
