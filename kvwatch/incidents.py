@@ -410,7 +410,7 @@ def render_exposure(view: dict[str, Any], out: TextIO, *, as_json: bool) -> None
     tally = view["counts"]
     out.write(
         f"\n{tally['readers']} reader(s), {tally['sources']} named source(s)"
-        f" and {tally['unnamed_sources']} unnamed, {tally['pages']} page(s);"
+        f" and {tally['unnamed_sources']} unnamed, {tally['pages']} page(s) of theirs read;"
         f" {tally['incidents']} incident(s) (affected requests),"
         f" {tally['exposed']} exposed request(s)\n"
     )

@@ -138,7 +138,7 @@ def test_cli_exposed_view_text_and_json(fleet: tuple[Path, Path]) -> None:
     assert "alice (5), bob (2), +3 more" in out
     assert "req-17 (5)" in out  # alice's reader
     assert (
-        "2 reader(s), 3 named source(s) and 3 unnamed, 14 page(s);"
+        "2 reader(s), 3 named source(s) and 3 unnamed, 14 page(s) of theirs read;"
         " 3 incident(s) (affected requests), 6 exposed request(s)"
     ) in out
     data = run_cli("incidents", "--exposed", "--json", "--journal", str(a), "--since", "3650d")
