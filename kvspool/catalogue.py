@@ -286,10 +286,18 @@ DAEMON_FAMILIES: Final = (
         ("detector", "role", "kind"),
     ),
     Family(
+        "kvwatch_affected_requests",
+        "counter",
+        "Affected requests: incidents, each a request that read KV it did not write or another"
+        " finding's request, counted once however many detectors found it (the join rule of"
+        " kvwatch incidents), by the role of its first finding.",
+        ("role",),
+    ),
+    Family(
         "kvwatch_exposed_requests",
         "counter",
-        "Requests whose KV a detection event's reader was exposed to (each distinct source once"
-        " per event, the ones the event only counts included), by the reader's role.",
+        "Requests whose KV an affected request received (each named source once, the sources a"
+        " finding only counts once per incident), by the reader's role.",
         ("role",),
     ),
     Family(

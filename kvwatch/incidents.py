@@ -87,33 +87,76 @@ def _source_key(source: dict[str, Any]) -> tuple[str, str]:
     return (source["request_id"], source["instance"] or "")
 
 
+class Joiner:
+    """The join rule (:data:`JOIN_SECONDS`), once: which incident each finding belongs to.
+
+    :func:`group` joins a list of findings with it; the spool reader joins the stream it
+    ingests with it, so that ``kvwatch_affected_requests_total`` and
+    ``kvwatch_exposed_requests_total`` count what every view counts. ``limit`` bounds the
+    incidents it remembers (the reader's memory); the oldest are forgotten first."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self._next = 0
+        self._by_instance: dict[tuple[str, str, str], int] = {}
+        self._latest: dict[tuple[str, str], int] = {}
+        #: An incident's last finding's time, and (role, detector, kind) -> the instance that
+        #: reported it first.
+        self._incidents: dict[int, tuple[float, dict[tuple[str, str, str], str]]] = {}
+
+    def join(
+        self, node: str, request_id: str, instance: str, what: tuple[str, str, str], time: float
+    ) -> tuple[int, bool]:
+        """The incident key of a finding (``what``: role, detector, kind), and whether the
+        finding starts that incident."""
+        key = self._by_instance.get((node, request_id, instance)) if instance else None
+        if key is None or key not in self._incidents:
+            key = self._latest.get((node, request_id))
+            state = None if key is None else self._incidents.get(key)
+            if (
+                state is None
+                or time - state[0] > JOIN_SECONDS
+                or state[1].get(what, instance) != instance
+            ):
+                key = None
+        new = key is None
+        if key is None:
+            key, self._next = self._next, self._next + 1
+            self._incidents[key] = (time, {})
+        last, seen = self._incidents[key]
+        seen.setdefault(what, instance)
+        self._incidents[key] = (max(last, time), seen)
+        if instance:
+            self._by_instance[(node, request_id, instance)] = key
+        self._latest.pop((node, request_id), None)
+        self._latest[(node, request_id)] = key
+        if self.limit is not None and len(self._incidents) > self.limit:
+            # Bounded memory: the oldest half of the incidents goes (a finding that would
+            # have joined one starts a new incident, counted once more).
+            for old in list(self._incidents)[: len(self._incidents) // 2]:
+                del self._incidents[old]
+            for table in (self._by_instance, self._latest):
+                for name in [n for n, k in table.items() if k not in self._incidents]:
+                    del table[name]  # type: ignore[arg-type]
+        return key, new
+
+
 def group(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The incidents of ``findings`` (time-ordered, as :func:`merge` gives them), in order of
-    their first finding. The join rule: :data:`JOIN_SECONDS`."""
+    their first finding. The join rule: :class:`Joiner`."""
     incidents: list[dict[str, Any]] = []
-    by_instance: dict[tuple[str, str, str], dict[str, Any]] = {}
-    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    by_key: dict[int, dict[str, Any]] = {}
+    joiner = Joiner()
     for row in findings:
-        node, rid, instance = row["node"] or "", row["request_id"], row["instance"] or ""
-        incident = by_instance.get((node, rid, instance)) if instance else None
-        if incident is None:
-            candidate = latest.get((node, rid))
-            what = (row["role"], row["detector"], row["kind"])
-            if (
-                candidate is not None
-                and row["time"] - candidate["last_time"] <= JOIN_SECONDS
-                and candidate["_seen"].get(what, instance) == instance
-            ):
-                incident = candidate
-        if incident is None:
-            incident = _new_incident(row)
+        what = (row["role"], row["detector"], row["kind"])
+        key, new = joiner.join(
+            row["node"] or "", row["request_id"], row["instance"] or "", what, row["time"]
+        )
+        if new:
+            incident = by_key[key] = _new_incident(row)
             incidents.append(incident)
-        _add_finding(incident, row)
-        if instance:
-            by_instance[(node, rid, instance)] = incident
-        latest[(node, rid)] = incident
+        _add_finding(by_key[key], row)
     for incident in incidents:
-        del incident["_seen"]
         incident["sources"] = sorted(
             incident["sources"].values(), key=lambda s: (-s["pages"], _source_key(s))
         )
@@ -144,7 +187,6 @@ def _new_incident(row: dict[str, Any]) -> dict[str, Any]:
         "other_sources": 0,
         "other_source_pages": 0,
         "exposed": 0,
-        "_seen": {},
     }
 
 
@@ -156,7 +198,6 @@ _FINDING_FIELDS: Final = (
 
 def _add_finding(incident: dict[str, Any], row: dict[str, Any]) -> None:
     incident["findings"].append({k: row.get(k) for k in _FINDING_FIELDS})
-    incident["_seen"].setdefault((row["role"], row["detector"], row["kind"]), row["instance"] or "")
     incident["last_time"] = max(incident["last_time"], row["time"])
     if row.get("id") is not None and (incident["id"] is None or row["id"] < incident["id"]):
         incident["id"] = row["id"]

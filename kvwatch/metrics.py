@@ -114,10 +114,11 @@ class KvwatchCollector(Collector):
         for key in _grid(tuple(label.sorted_values for label in labels)):
             incidents.add_metric(list(key), state.daemon.get(("incidents", key), 0.0))
         yield incidents
-        exposed = _family("kvwatch_exposed_requests")
-        for role in catalogue.ROLE.sorted_values:
-            exposed.add_metric([role], state.daemon.get(("exposed_requests", (role,)), 0.0))
-        yield exposed
+        for counter in ("affected_requests", "exposed_requests"):
+            family = _family(f"kvwatch_{counter}")
+            for role in catalogue.ROLE.sorted_values:
+                family.add_metric([role], state.daemon.get((counter, (role,)), 0.0))
+            yield family
         yield _family(
             "kvwatch_spool_records",
             value=state.daemon.get(("spool_records", ()), 0.0),

@@ -231,6 +231,9 @@ _WHERE = "{{ $labels.role }} on node {{ $labels.node }}"
 #: (each source counted once per incident, whichever role's finding named it): the prefill and
 #: the decode alert of one leak state the same number.
 EXPOSED_REQUESTS = Context("exposed_requests", "exposed_requests", ("node",))
+#: The affected requests (incidents) on the alert's node in the last 5 minutes: what
+#: ``kvwatch status`` and ``kvwatch incidents`` count, whichever role's alert says it.
+AFFECTED_REQUESTS = Context("affected_requests", "affected_requests", ("node",))
 
 
 def _on_increase(
@@ -265,12 +268,12 @@ ALERTS: tuple[Alert, ...] = (
             "The {{ $labels.detector }} detector on "
             + _WHERE
             + ' found {{ $value | printf "%.0f" }} KV integrity mismatch(es) of kind '
-            "{{ $labels.kind }} in the last 5 minutes. Requests affected on node "
-            "{{ $labels.node }} received the KV of {{ exposed_requests }} other request(s) in "
-            "that time (each once per affected request); kvwatch incidents --exposed names "
-            "them, kvwatch incidents lists each affected request once."
+            "{{ $labels.kind }} in the last 5 minutes. On node {{ $labels.node }}, "
+            "{{ affected_requests }} affected request(s) (incidents) in that time received the "
+            "KV of {{ exposed_requests }} other request(s); kvwatch incidents lists each "
+            "affected request once, kvwatch incidents --exposed names whose KV they received."
         ),
-        context=(EXPOSED_REQUESTS,),
+        context=(AFFECTED_REQUESTS, EXPOSED_REQUESTS),
     ),
     Alert(
         name="KVPoolSmallerThanContext",

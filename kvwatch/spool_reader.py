@@ -43,7 +43,7 @@ from kvspool import SchemaError, catalogue, decode_payload, iter_frames
 from kvspool.framing import MAX_FRAME_BYTES, SEGMENT_SUFFIX
 from kvspool.records import SERIES_OF, TYPE_NAME, Counters, Event, Gauges, Hello, Record, Seal
 from kvspool.writer import PRIVATE_SUFFIX
-from kvwatch.incidents import JOIN_SECONDS, NOT_READS
+from kvwatch.incidents import NOT_READS, Joiner
 from kvwatch.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
 from kvwatch.spoolowner import Ignored, OwnerRule, user_name
 from kvwatch.state import Producer, Segment, State
@@ -74,7 +74,8 @@ _PRIVATE_NAME: Final = re.compile(
 )
 _DETECTOR, _ROLE, _KIND = catalogue.DETECTOR.bound, catalogue.ROLE.bound, catalogue.KIND.bound
 _encode_json: Final = msgspec.json.Encoder(order="sorted").encode
-#: Incidents whose counted sources the reader remembers (``kvwatch_exposed_requests_total``).
+#: Incidents and exposed requests the reader remembers, to count each once
+#: (``kvwatch_affected_requests_total``, ``kvwatch_exposed_requests_total``).
 _EXPOSED_SEEN_MAX: Final = 65536
 #: An incident row's (detector, role, kind): the labels of ``kvwatch_incidents_total``.
 _INCIDENT_LABELS: Final = itemgetter(*map(IncidentRow._fields.index, ("detector", "role", "kind")))
@@ -165,9 +166,7 @@ class SpoolReader:
         self._incident_keys: dict[tuple[str, str, str], tuple[str, tuple[str, ...]]] = {}
         #: (detector, role, kind) as the records said them -> incidents not yet counted.
         self._incidents_seen = Counter[tuple[str, str, str]]()
-        #: Reader request id -> (last finding's ts, sources counted, others counted): what
-        #: ``kvwatch_exposed_requests_total`` counted for the incident so far.
-        self._exposed_seen: dict[str, tuple[float, set[tuple[str, str]], int]] = {}
+        self._joiner, self._exposed_seen, self._others_seen = self._counted()
         #: Events read, their incident rows not yet built (see _incidents).
         self._events: list[tuple[Event, float]] = []
         self.clock_past = CLOCK_PAST_SECONDS
@@ -595,9 +594,13 @@ class SpoolReader:
             )  # type: ignore[misc]
             for e, ts in self._events
         ]  # fmt: skip
+        join, affected = self._joiner.join, (_ROLE(role),)
         for e, ts in self._events:
+            key, new = join(node, e.request_id, e.instance or "", (role, e.detector, e.kind), ts)
+            if new:
+                self._count("affected_requests", affected, 1)
             if e.sources or e.other_sources:
-                self._exposures(producer, e, ts)
+                self._exposures(producer, e, ts, key)
         self._events.clear()
         self._batch.incidents += rows
         self._incidents_seen.update(map(_INCIDENT_LABELS, rows))
@@ -617,15 +620,21 @@ class SpoolReader:
         self._incidents_seen.clear()
         return total
 
-    def _exposures(self, producer: Producer, record: Event, ts: float) -> None:
-        """The reader -> source edges of an event, and the exposed requests it counts: each
-        source once per incident (an incident's later findings, from any detector, count only
-        the sources they add; :data:`kvwatch.incidents.JOIN_SECONDS` joins them), the ones
-        counted only in ``other_sources`` too."""
+    @staticmethod
+    def _counted() -> tuple[Joiner, dict[tuple[str, str], None], dict[int, int]]:
+        """What the affected and exposed counters remember: the incidents (the views' join
+        rule), the exposed requests counted (an ordered set), each incident's unnamed sources
+        counted."""
+        return Joiner(limit=_EXPOSED_SEEN_MAX), {}, {}
+
+    def _exposures(self, producer: Producer, record: Event, ts: float, incident: int) -> None:
+        """The reader -> source edges of an event, and the exposed requests it counts as
+        :func:`kvwatch.incidents.counts` does: each named source once, and an incident's
+        sources counted only in ``other_sources`` (the most any of its findings says)."""
         name, seq = producer.name, record.seq
-        named: set[tuple[str, str]] = set()
+        named: list[tuple[str, str]] = []
         for source in record.sources:
-            named.add((source.request_id, source.instance or ""))
+            named.append((source.request_id, source.instance or ""))
             self._batch.exposures.append(
                 ExposureRow(
                     name,
@@ -639,18 +648,20 @@ class SpoolReader:
             )
         if record.kind in NOT_READS:  # an older producer's late write: nobody read it
             return
-        seen = self._exposed_seen
-        counted = seen.get(record.request_id)
-        if counted is None or ts - counted[0] > JOIN_SECONDS:
-            if len(seen) >= _EXPOSED_SEEN_MAX:  # bounded memory: the oldest incidents go
-                for key in list(seen)[: _EXPOSED_SEEN_MAX // 2]:
-                    del seen[key]
-            counted = (ts, set(), 0)
-        new = named - counted[1]
-        others = max(0, record.other_sources - counted[2])
-        seen.pop(record.request_id, None)
-        seen[record.request_id] = (ts, counted[1] | new, max(counted[2], record.other_sources))
-        self._count("exposed_requests", (_ROLE(producer.role),), len(new) + others)
+        seen, others_seen = self._exposed_seen, self._others_seen
+        new = 0
+        for key in named:
+            if key not in seen:
+                seen[key] = None
+                new += 1
+        counted = others_seen.get(incident, 0)
+        others = max(0, record.other_sources - counted)
+        others_seen[incident] = max(counted, record.other_sources)
+        for table in (seen, others_seen):
+            if len(table) > _EXPOSED_SEEN_MAX:  # bounded memory: the oldest half goes
+                for old in list(table)[: len(table) // 2]:
+                    del table[old]  # type: ignore[arg-type]
+        self._count("exposed_requests", (_ROLE(producer.role),), new + others)
 
     def _lost(self, producer: Producer, first: int, last: int) -> None:
         count = last - first + 1
@@ -824,7 +835,8 @@ class SpoolReader:
         self._to_remove = []
         self._events.clear()
         self._incidents_seen.clear()
-        self._exposed_seen.clear()  # what it counted may not have been committed
+        # What it counted may not have been committed.
+        self._joiner, self._exposed_seen, self._others_seen = self._counted()
         self.state.replace_with(self.journal.load())
 
 

@@ -64,4 +64,4 @@ def test_make_demo_prints_the_disclosure_view_after_the_leak() -> None:
     # detector alerts each print once.
     assert out.count("PAGE  KVPoolSmallerThanContext") == 1
     assert out.count("PAGE  KVIntegrityMismatch") == 1
-    assert f"received the KV of {exposed} other request(s)" in out
+    assert f"1 affected request(s) (incidents) in that time received the KV of {exposed} " in out

@@ -179,3 +179,13 @@ def test_one_leak_is_one_incident_with_the_same_counts_everywhere(stack: Stack) 
         if alert["labels"]["alertname"] == "KVIntegrityMismatch" and alert["status"] == "firing"
     }
     assert described <= {str(in_list[1]), "0"}, described
+    # ... and the node's affected requests: the one incident kvwatch incidents lists.
+    affected = {
+        alert["annotations"]["description"]
+        .split(" affected request(s) (incidents)")[0]
+        .rsplit(" ", 1)[1]
+        for note in stack.webhook.notifications
+        for alert in note.alerts()
+        if alert["labels"]["alertname"] == "KVIntegrityMismatch" and alert["status"] == "firing"
+    }
+    assert affected == {"1"}, affected

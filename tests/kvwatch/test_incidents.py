@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvwatch import incidents
 from kvwatch.incidents_log import IncidentsLog
 from kvwatch.journal import Journal
 from kvwatch.spool_reader import SpoolReader
+from kvwatch.state import State
 from tests.kvwatch.daemonproc import run_cli
 from tests.kvwatch.spoolgen import T0, Producer
 
@@ -251,12 +254,14 @@ def test_one_incident_per_affected_request_instance() -> None:
     assert view["counts"]["readers"] == 2 and view["counts"]["sources"] == 2
 
 
-def test_the_exposed_counter_counts_each_source_once_per_incident(
+def test_the_affected_and_exposed_counters_count_as_every_view(
     spool: Path, reader: SpoolReader
 ) -> None:
-    """``kvwatch_exposed_requests_total`` (what KVIntegrityMismatch's description states) counts
-    as ``kvwatch incidents`` does: three findings of one request naming alice and bob count them
-    once; another request exposed to alice counts her again (another incident)."""
+    """``kvwatch_affected_requests_total`` and ``kvwatch_exposed_requests_total`` (what
+    KVIntegrityMismatch's description states) count as ``kvwatch incidents`` and ``kvwatch
+    status`` do (:func:`incidents.counts`): three findings of one request are one affected
+    request naming alice and bob once; another request exposed to alice is a second affected
+    request, and alice is still one exposed request."""
     alice, bob = _src("alice", 3, "a#1"), _src("bob", 1)
     p = Producer(spool)
     p.append(
@@ -267,6 +272,58 @@ def test_the_exposed_counter_counts_each_source_once_per_incident(
         p.event("other", sources=[alice]),
     )
     reader.poll()
-    assert reader.state.daemon[("exposed_requests", ("decode",))] == 2 + 2 + 1
     grouped = incidents.group(reader.journal.incidents())
     assert [i["exposed"] for i in grouped] == [4, 1]
+    assert incidents.counts(grouped) == {"affected": 2, "exposed": 2 + 2}
+    assert reader.state.daemon[("exposed_requests", ("decode",))] == 2 + 2
+    assert reader.state.daemon[("affected_requests", ("decode",))] == 2
+
+
+_FINDING = st.tuples(
+    st.sampled_from(["r1", "r2", "r3"]),  # request ids, reused
+    st.sampled_from([None, "i1", "i2"]),  # instances
+    st.sampled_from(
+        [("canary", "unwritten_page"), ("page_tag", "stale_tag"), ("checksum", "digest")]
+    ),
+    st.lists(st.sampled_from(["alice", "bob", "carol"]), max_size=3, unique=True),
+    st.integers(0, 2),  # other_sources
+    st.sampled_from([0, 1, 30, 100]),  # seconds before it (JOIN_SECONDS is 60)
+)
+
+
+@settings(
+    max_examples=150,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(st.lists(_FINDING, min_size=1, max_size=12))
+def test_the_counters_equal_the_views_counts_for_any_stream(
+    tmp_path_factory: pytest.TempPathFactory, findings: list[Any]
+) -> None:
+    """Whatever the stream (reused ids, instances, gaps around the join window, repeated
+    sources), the daemon's affected and exposed counters equal what ``kvwatch status`` and
+    ``kvwatch incidents`` count from the journal: one definition of both numbers."""
+    tmp = tmp_path_factory.mktemp("counts")
+    spool = tmp / "spool"
+    spool.mkdir()
+    journal = Journal(tmp / "journal.db")
+    reader = SpoolReader(spool, journal, State(), idle_grace=3600.0, node="node-a")
+    p = Producer(spool)
+    frames = [p.hello()]
+    for rid, instance, (detector, kind), names, others, gap in findings:
+        p.t0 += gap
+        sources = [_src(name, 1) for name in names]
+        frames.append(
+            p.event(rid, detector, kind, instance=instance, sources=sources, other_sources=others)
+        )
+    p.append(*frames)
+    reader.poll()
+    grouped = incidents.group(journal.incidents())
+    daemon = reader.state.daemon
+    assert incidents.counts(grouped) == {
+        "affected": daemon[("affected_requests", ("decode",))],
+        "exposed": daemon[("exposed_requests", ("decode",))],
+    }
+    journal.close()

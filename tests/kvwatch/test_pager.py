@@ -173,9 +173,11 @@ def test_templates_render_like_prometheus_and_refuse_the_unknown() -> None:
         for text in alert.annotations.values():
             assert "{{" not in render(text, labels, 1.0, context)
     mismatch = next(a for a in fast_alerts() if a.name == "KVIntegrityMismatch")
-    assert "received the KV of 7 other request(s)" in render(mismatch.description, labels, 1.0, {
-        "exposed_requests": 7.0
-    })  # fmt: skip
+    assert "1 affected request(s) (incidents) in that time received the KV of 7 other " in (
+        render(
+            mismatch.description, labels, 1.0, {"exposed_requests": 7.0, "affected_requests": 1.0}
+        )
+    )
 
 
 def test_context_growth_is_the_windows_exact_difference() -> None:
