@@ -44,6 +44,16 @@ pages whose writer the hooks cannot name are counted in the event's
 ``detail["unattributed_pages"]``. Look-ups run only when a finding is reported (at a sync
 point on an accelerator); the per-token path only writes device arrays.
 
+Stopped before the read. ``verify_admit``, ``check_batch`` and ``check_step`` take
+``before_read=True`` from an engine that calls them before it reads the pages and fails a
+request whose verdict ``blocks`` (minipd: at admission and before each step's attention).
+Then every mismatch of a request that enforce mode fails there carries
+``detail["stopped_before_read"] = 1`` (:data:`kvspool.records.STOPPED_BEFORE_READ`): its
+sources say whose KV the pages held, but nobody's reached it, so the daemon names it as no
+reader. Never for a check read after the read: a deferred device check read at
+:meth:`KVWatch.resolve` (the step has run), or an engine that checks after its forward (the
+default, ``before_read=False``, keeps a request named as a reader).
+
 Scrub (``KVWatch(..., scrub=Scrub.ON_FREE | Scrub.ON_RESERVE)``, independent of the detector
 modes): pages are zeroed in every buffer, and their tags reset to "never written", when they
 return to the free list (``on_free``) or when decode reserves them for a remote write
