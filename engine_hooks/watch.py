@@ -44,6 +44,16 @@ pages whose writer the hooks cannot name are counted in the event's
 ``detail["unattributed_pages"]``. Look-ups run only when a finding is reported (at a sync
 point on an accelerator); the per-token path only writes device arrays.
 
+Stopped before the read. ``verify_admit``, ``check_batch`` and ``check_step`` take
+``before_read=True`` from an engine that calls them before it reads the pages and fails a
+request whose verdict ``blocks`` (minipd: at admission and before each step's attention).
+Then every mismatch of a request that enforce mode fails there carries
+``detail["stopped_before_read"] = 1`` (:data:`kvspool.records.STOPPED_BEFORE_READ`): its
+sources say whose KV the pages held, but nobody's reached it, so the daemon names it as no
+reader. Never for a check read after the read: a deferred device check read at
+:meth:`KVWatch.resolve` (the step has run), or an engine that checks after its forward (the
+default, ``before_read=False``, keeps a request named as a reader).
+
 Scrub (``KVWatch(..., scrub=Scrub.ON_FREE | Scrub.ON_RESERVE)``, independent of the detector
 modes): pages are zeroed in every buffer, and their tags reset to "never written", when they
 return to the free list (``on_free``) or when decode reserves them for a remote write
@@ -92,7 +102,7 @@ from engine_hooks.pool import PagedKVPool, PageIds
 from engine_hooks.spool import SpoolWriter
 from kvspool import schema
 from kvspool.catalogue import DETECTOR, HOOK, HOOKED_DETECTORS, SKIP_REASON
-from kvspool.records import Source
+from kvspool.records import STOPPED_BEFORE_READ, Source
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -591,16 +601,21 @@ class KVWatch:
         return tuple(sorted(i for i in idents if i is not None and i[0] != reader))
 
     @_hook("verify", list)
-    def verify_admit(self, ticket: Ticket | None, seal: Seal | None) -> list[Verdict]:
+    def verify_admit(
+        self, ticket: Ticket | None, seal: Seal | None, *, before_read: bool = False
+    ) -> list[Verdict]:
         """Before decode admits a request and reads its KV: every detector, in one go.
 
-        Returns the mismatches (an empty list when the request is clean)."""
+        ``before_read``: the engine calls this before anything reads the pages and fails the
+        request when a verdict ``blocks`` (see :func:`_stopped`). Returns the mismatches (an
+        empty list when the request is clean)."""
         if ticket is None or self.canary is None or self.tags is None or self.checksum is None:
             for name in (Canary.name, TransferChecksum.name, PageTags.name):
                 self.stats.skipped(name, _NO_POOL)
             return []
         rid, instance = ticket.request_id, ticket.instance
         findings: list[Finding] = []
+        residue: Sequence[tuple[str, str]] = ()
         if not self.canary.usable:
             self.stats.skipped(self.canary.name, _UNSUPPORTED_LAYOUT)
         elif self.canary.active():
@@ -610,7 +625,7 @@ class KVWatch:
             owners = [(rid, ticket.page_count)]
             findings.append(self.tags.compare(owners, ticket.pages, ticket.tags, (instance,)))
             self.stats.verified(PageTags.name)
-        verdicts = self._resolved(findings)
+        verdicts = self._verdicts(findings)
         if self.checksum.active():
             if seal is None:
                 self.stats.skipped(self.checksum.name, _NO_SEAL)
@@ -623,18 +638,25 @@ class KVWatch:
                         seal.page_count < ticket.page_count
                     )
                     residue = seal.residue if short else ()
-                    verdicts.append(self._report(replace(verdict, instance=instance), residue))
-        return verdicts
+                    verdicts.append(replace(verdict, instance=instance))
+        return [
+            self._report(v, residue if v.detector == TransferChecksum.name else ())
+            for v in _stopped(verdicts, before_read)
+        ]
 
     @_hook("step", list)
-    def check_step(self, ticket: Ticket) -> list[Verdict]:
+    def check_step(self, ticket: Ticket, *, before_read: bool = False) -> list[Verdict]:
         """Per decode step, one request: see :meth:`check_batch`."""
-        return self.check_batch([ticket])
+        return self.check_batch([ticket], before_read=before_read)
 
     @_hook("step", list)
-    def check_batch(self, tickets: Sequence[Ticket]) -> list[Verdict]:
+    def check_batch(self, tickets: Sequence[Ticket], *, before_read: bool = False) -> list[Verdict]:
         """Per decode step, the whole running batch in one vectorised check: every page still
-        holds the generation its request was given (no host sync on an accelerator)."""
+        holds the generation its request was given (no host sync on an accelerator).
+
+        ``before_read``: the engine calls this before the step reads the pages and fails the
+        requests whose verdicts ``block`` (see :func:`_stopped`); on an accelerator the check
+        is read at :meth:`resolve`, after the step, so it never says so."""
         if self.state is None or self.tags is None or not tickets or not self.tags.active():
             return []
         self.stats.verified(PageTags.name, len(tickets))
@@ -658,7 +680,7 @@ class KVWatch:
         # On the host the finding is resolved before this returns: owners and instances are
         # needed only when a page is stale, so a clean step does not build them.
         owned, named = (lambda: _owners(tickets)), (lambda: _instances(tickets))
-        return self._settle([self.tags.compare(owned, pages, expected, named)])
+        return self._settle([self.tags.compare(owned, pages, expected, named)], before_read)
 
     @_hook("admission", lambda: Verdict(Admission.name, ""))
     def on_admission(
@@ -682,21 +704,27 @@ class KVWatch:
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def _settle(self, findings: list[Finding]) -> list[Verdict]:
-        """Verdicts now on the host; on an accelerator, later through :meth:`resolve`."""
+    def _settle(self, findings: list[Finding], before_read: bool = False) -> list[Verdict]:
+        """Verdicts now on the host; on an accelerator, later through :meth:`resolve` (after
+        the engine's read: ``before_read`` no longer holds)."""
         if self._on_device:
             self._pending.extend(findings)
             return []
-        return self._resolved(findings)
+        return [self._report(v) for v in _stopped(self._verdicts(findings), before_read)]
 
     def _resolved(self, findings: list[Finding]) -> list[Verdict]:
-        """The findings' verdicts, reported; a write into a free page as its late writer's."""
+        """The findings' verdicts, reported."""
+        return [self._report(v) for v in self._verdicts(findings)]
+
+    def _verdicts(self, findings: list[Finding]) -> list[Verdict]:
+        """The findings' verdicts, not yet reported; a write into a free page as its late
+        writer's."""
         out: list[Verdict] = []
         for finding in findings:
             verdicts = finding.resolve()
             if finding.kind == Canary.WRITE_TO_FREE_PAGE:
                 verdicts = self._late_writers(verdicts, finding)
-            out.extend(self._report(v) for v in verdicts)
+            out.extend(verdicts)
         return out
 
     def _late_writers(self, verdicts: list[Verdict], finding: Finding) -> list[Verdict]:
@@ -871,6 +899,24 @@ class KVWatch:
         self.flush()
         if self.spool is not None:
             self.spool.close()
+
+
+def _stopped(verdicts: list[Verdict], before_read: bool) -> list[Verdict]:
+    """The verdicts, those of a request that enforce mode fails marked
+    ``detail["stopped_before_read"] = 1`` where the check ran ``before_read``: the engine
+    fails the request before it reads, so none of its findings there is a read (a logged
+    finding of another detector in the same check included). Not for a check read after the
+    engine read (a deferred device check at :meth:`KVWatch.resolve`, or an engine that checks
+    after its forward): that request did read, and is named as a reader."""
+    if not before_read:
+        return verdicts
+    failed = {v.instance or v.request_id for v in verdicts if v.blocks}
+    return [
+        replace(v, detail={**v.detail, STOPPED_BEFORE_READ: 1})
+        if not v.ok and (v.instance or v.request_id) in failed
+        else v
+        for v in verdicts
+    ]
 
 
 def _is_reader(ident: tuple[str, str], verdict: Verdict) -> bool:

@@ -10,6 +10,7 @@ The counter and gauge series are derived from :mod:`kvspool.catalogue`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Union
 
 import msgspec
@@ -151,6 +152,18 @@ class Event(_Record, tag=EVENT, frozen=True, gc=False):
     #: Source requests beyond ``sources``, and their pages.
     other_sources: Count = 0
     other_source_pages: Count = 0
+
+
+#: ``Event.detail`` key, value 1: enforce mode failed the request at a check the engine ran
+#: before it read the pages, so the event's request read nothing of them. Its ``sources``
+#: say whose KV the pages held (what it would have read); it names no reader and exposed
+#: nobody. Set by the hooks only where the engine says the check precedes its read.
+STOPPED_BEFORE_READ: Final = "stopped_before_read"
+
+
+def stopped_before_read(detail: Mapping[str, Any] | None) -> bool:
+    """Whether an event's ``detail`` says its request was stopped before it read."""
+    return detail is not None and detail.get(STOPPED_BEFORE_READ) == 1
 
 
 class Seal(_Record, tag=SEAL, frozen=True, gc=False):

@@ -21,6 +21,7 @@ import json
 from collections.abc import Iterable
 from typing import Any, Final, TextIO
 
+from kvspool.records import stopped_before_read
 from kvwatch.incidents_log import iso
 
 _COLUMNS = (
@@ -38,7 +39,9 @@ _COLUMNS = (
 _SHOWN_PAGES = 8
 #: Kinds whose request read nothing: a write into a free page is its late writer's (older
 #: producers named the page's next owner there, with the writer as a source). A read of such
-#: a page before it is overwritten is a finding of its own.
+#: a page before it is overwritten is a finding of its own. A finding of any kind whose
+#: ``detail`` says :data:`kvspool.records.STOPPED_BEFORE_READ` names no reader either: enforce
+#: mode failed its request before it read.
 NOT_READS: Final = frozenset({"write_to_free_page"})
 #: The disclosure view's JSON format (``--exposed --json``): its ``v``. 2: a reader is an
 #: incident (``findings``, ``id``); ``counts`` counts incidents, not findings, and ``exposed``.
@@ -209,15 +212,17 @@ def _add_finding(incident: dict[str, Any], row: dict[str, Any]) -> None:
     incident["pages_total"] = max(incident["pages_total"], row["pages_total"])
     if row["kind"] in NOT_READS:  # its request read nothing: it names no reader, no source
         return
+    # Stopped before it read (enforce, at a check ahead of the read): the pages' holders are
+    # kept in the finding, but nobody's KV reached the request: no source, not exposed.
+    read = not stopped_before_read(row.get("detail"))
+    sourced = read and bool(row["sources"] or row["other_sources"])
     named = bool(incident["sources"] or incident["other_sources"])
     # The reader names the incident: the side whose pages held other requests' KV, else the
     # decode side (which reads what prefill sent), else the first finding's.
-    if not named and (
-        row["sources"] or row["other_sources"] or (row["role"] == "decode" != incident["role"])
-    ):
+    if not named and (sourced or (row["role"] == "decode" != incident["role"])):
         for name in ("instance", "role", "engine", "engine_version", "model", "producer"):
             incident[name] = row[name]
-    if row["sources"] or row["other_sources"]:
+    if sourced:
         for source in row["sources"]:
             key = _source_key(source)
             kept = incident["sources"].get(key)

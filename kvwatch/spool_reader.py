@@ -41,7 +41,17 @@ import structlog
 
 from kvspool import SchemaError, catalogue, decode_payload, iter_frames
 from kvspool.framing import MAX_FRAME_BYTES, SEGMENT_SUFFIX
-from kvspool.records import SERIES_OF, TYPE_NAME, Counters, Event, Gauges, Hello, Record, Seal
+from kvspool.records import (
+    SERIES_OF,
+    TYPE_NAME,
+    Counters,
+    Event,
+    Gauges,
+    Hello,
+    Record,
+    Seal,
+    stopped_before_read,
+)
 from kvspool.writer import PRIVATE_SUFFIX
 from kvwatch.incidents import NOT_READS, Joiner
 from kvwatch.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
@@ -647,6 +657,8 @@ class SpoolReader:
                 )
             )
         if record.kind in NOT_READS:  # an older producer's late write: nobody read it
+            return
+        if stopped_before_read(record.detail):  # enforce failed it before it read
             return
         seen, others_seen = self._exposed_seen, self._others_seen
         new = 0

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspool.catalogue import unsafe_band
+from kvspool.records import stopped_before_read
 from kvwatch import __version__
 from kvwatch import incidents as incident_model
 from kvwatch.journal import AckRow, Journal, JournalError
@@ -492,6 +493,8 @@ def _latest_sources(incidents: list[dict[str, Any]]) -> str:
         f"(incident {_e(latest['id'])}, {_e(latest['role'])}, {_e(detectors)}, {_e(when)})"
     )
     if not latest["sources"] and not latest["other_sources"]:
+        if any(stopped_before_read(f["detail"]) for f in latest["findings"]):
+            return said + " was failed (enforce) before it read: nobody's KV reached it.</p>"
         return said + " named no sources: the detector cannot tell whose data the pages held.</p>"
     items = "".join(
         f'<li data-source="{_e(s["request_id"])}">{_e(s["request_id"])}'

@@ -194,7 +194,8 @@ class DecodeWorker:
             if stop is not None:
                 self._fail(req, *blocked(stop), drained=True)
                 return
-            verdicts = self.watch.verify_admit(req.ticket, req.seal)
+            # Before anything reads the pages, and a blocking verdict fails the request here.
+            verdicts = self.watch.verify_admit(req.ticket, req.seal, before_read=True)
             self.stats.pages_verified_at_admit += len(req.pages)
             stop = settle(self.log, verdicts, self.seen)
             if stop is not None:
@@ -272,7 +273,8 @@ class DecodeWorker:
         assert self.watch is not None
         tickets = [r.ticket for r in batch if r.ticket is not None]
         started, cpu_started = time.perf_counter(), time.thread_time()
-        verdicts = self.watch.check_batch(tickets)
+        # Before the step reads the pages; a blocked request leaves the batch below.
+        verdicts = self.watch.check_batch(tickets, before_read=True)
         self.stats.step_hook_seconds += time.perf_counter() - started
         self.stats.step_hook_cpu_seconds += time.thread_time() - cpu_started
         self.stats.pages_checked_in_steps += sum(t.page_count for t in tickets)

@@ -73,17 +73,19 @@ class Producer:
         sources: list[dict[str, Any]] | None = None,
         other_sources: int = 0,
         other_source_pages: int = 0,
+        stopped: bool = False,
     ) -> bytes:
+        """``stopped``: an enforce-mode finding whose request was failed before it read."""
         pages = [1, 2, 3, 4, 5, 6, 7] if pages is None else pages
         fields = {
             "detector": detector,
             "kind": kind,
-            "mode": "log",
-            "action": "logged",
+            "mode": "enforce" if stopped else "log",
+            "action": "enforced" if stopped else "logged",
             "request_id": request_id,
             "pages": pages,
             "pages_total": len(pages),
-            "detail": {"unwritten": len(pages)},
+            "detail": {"unwritten": len(pages)} | ({"stopped_before_read": 1} if stopped else {}),
         }
         if instance is not None:
             fields["instance"] = instance

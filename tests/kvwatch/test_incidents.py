@@ -327,3 +327,32 @@ def test_the_counters_equal_the_views_counts_for_any_stream(
         "exposed": daemon[("exposed_requests", ("decode",))],
     }
     journal.close()
+
+
+def test_a_request_stopped_before_it_read_is_an_incident_but_no_reader(
+    spool: Path, reader: SpoolReader
+) -> None:
+    """Enforce failed ``r`` before it read (``detail.stopped_before_read``): its finding names
+    whose KV the pages held, but it is no reader, exposes nobody, and is still an incident.
+    ``t`` was stopped at one finding but had read at another: only that one's source counts."""
+    alice, bob = _src("alice", 3, "a#1"), _src("bob", 1)
+    p = Producer(spool)
+    p.append(
+        p.hello(),
+        p.event("r", detector="page_tag", kind="stale_tag", sources=[alice], stopped=True),
+        p.event("t", sources=[bob]),
+        p.event("t", detector="page_tag", kind="stale_tag", sources=[alice], stopped=True),
+    )
+    reader.poll()
+    assert reader.state.daemon[("exposed_requests", ("decode",))] == 1  # bob, read by t
+    grouped = incidents.group(reader.journal.incidents())
+    assert [(i["request_id"], i["exposed"], len(i["findings"])) for i in grouped] == [
+        ("r", 0, 1),
+        ("t", 1, 2),
+    ]
+    assert grouped[0]["findings"][0]["sources"][0]["request_id"] == "alice"  # kept as evidence
+    view = incidents.exposure(grouped, since=None, until=None)
+    assert [
+        (r["request_id"], [s["request_id"] for s in r["sources"]]) for r in view["readers"]
+    ] == [("t", ["bob"])]
+    assert view["counts"]["incidents"] == 2 and view["counts"]["exposed"] == 1

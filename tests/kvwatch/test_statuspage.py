@@ -107,6 +107,25 @@ def test_render_escapes_and_draws_the_band() -> None:
     assert "no" in dom.cells  # not acknowledged
 
 
+def test_a_request_stopped_before_it_read_received_nobodys_kv() -> None:
+    """An enforce-mode finding whose request was failed before it read keeps its sources as
+    evidence, but the page says nobody's KV reached it (and counts no exposed request)."""
+    incident = {
+        "time": time.time(), "node": "n1", "role": "decode", "engine": "minipd",
+        "request_id": "r5", "detector": "page_tag", "kind": "stale_tag", "pages": [3],
+        "pages_total": 1, "instance": "i-5",
+        "sources": [{"request_id": "r1", "instance": "i-1", "pages": 1, "written_at": 0.0}],
+        "other_sources": 0, "other_source_pages": 0, "id": 1, "producer": "d", "seq": 1,
+        "engine_version": "1", "model": "m", "mode": "enforce", "action": "enforced",
+        "detail": {"stopped_before_read": 1},
+    }  # fmt: skip
+    grouped = incident_model.group([incident])
+    dom = parse(render(State(), Alarm(AlarmSettings()), grouped))
+    text = " ".join(dom.text)
+    assert "failed (enforce) before it read: nobody's KV reached it" in text
+    assert dom.sources == [] and "r5" in dom.cells
+
+
 def test_band_after_the_engine_exits_is_stale_not_ok() -> None:
     """An engine gone: the page says no engine reports, and shows the last band as stale,
     never "every reporting engine's pool holds its context" about no engine."""

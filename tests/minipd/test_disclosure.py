@@ -11,7 +11,10 @@ wrote each slot (``PageOwners``), taken as each decode step reads:
   read another request's KV;
 - every source named had its KV read by that reader, in no more pages than the reader read of
   it;
-- so no request that overwrote a page before reading it is named.
+- so no request that overwrote a page before reading it is named;
+- in enforce mode, a request failed by a check ahead of its read is still an incident but no
+  reader: its events say ``detail.stopped_before_read`` (and it read nothing), ``--exposed``
+  and ``kvwatch_exposed_requests_total`` leave it out.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine_hooks.testing import read_spool
-from kvwatch.incidents import exposure, group
+from kvspool.records import stopped_before_read
+from kvwatch.incidents import counts, exposure, group
 from kvwatch.journal import Journal
 from kvwatch.spool_reader import SpoolReader
 from minipd.releases import RELEASES
@@ -37,6 +41,8 @@ from tests.minipd.inprocess import Engine, Reads
 #: is FIFO): late writes land in reused pages, over-length prompts read others' pages.
 DECODE_PAGES = 12
 HISTORIES = int(os.environ.get("KVWATCH_DISCLOSURE_HISTORIES", "2000"))
+#: Enforce-mode histories shaped to stop requests before they read (400 by default, ~15 s).
+STOPPING_HISTORIES = max(1, HISTORIES // 5)
 
 _submit = st.tuples(
     st.just("submit"),
@@ -67,6 +73,8 @@ class History:
     ops: list[tuple[Any, ...]]
     #: Start with every decode page written by earlier requests (else some never are).
     warm: bool = False
+    #: The detectors' mode: in enforce mode a finding fails its request.
+    mode: str = "log"
 
 
 histories = st.builds(
@@ -78,6 +86,33 @@ histories = st.builds(
     st.sampled_from([None, False]),
     st.lists(_op, min_size=8, max_size=40),
     st.booleans(),
+    st.sampled_from(["log", "enforce"]),
+)
+
+
+#: Enforce mode, shaped so that a late write lands in a page after its reuse (about one history
+#: in ten): short requests, a late write now and then, aborts of the newest request, no explicit
+#: landing (the drain at the end lands it), nothing holding freed pages. The next owner's check
+#: fails at admission or before a step, and enforce stops it before it reads.
+_stopping_op = st.sampled_from(["submit", "submit", "submit", "step", "abort"]).flatmap(
+    lambda op: (
+        st.tuples(
+            st.just(op), st.integers(1, 6), st.integers(1, 2), st.sampled_from([True, *[False] * 5])
+        )
+        if op == "submit"
+        else st.tuples(st.just(op))
+        if op == "step"
+        else st.tuples(st.just(op), st.one_of(st.just(-1), _which))
+    )
+)
+stopping_histories = st.builds(
+    History,
+    st.sampled_from(sorted(RELEASES)),
+    st.sampled_from(["off", "off", "on_free", "on_reserve"]),
+    st.just(False),
+    st.lists(_stopping_op, min_size=8, max_size=30),
+    st.booleans(),
+    st.just("enforce"),
 )
 
 
@@ -96,6 +131,17 @@ LATE_WRITE = History(
     [("submit", 8, 2, True), ("abort", 0), ("land", 0), *[("submit", 28, 1, False), ("step",)] * 3,
      ("submit", 8, 2, False)],
 )  # fmt: skip
+#: A late write (r3's, aborted) landing in a page after its reuse: the next owner's admission
+#: check fails (stale tag, naming r3 as whose KV the page holds) and enforce mode stops it
+#: before it reads. It is an incident, but no reader.
+STOPPED = History(
+    "0.5.19",
+    "off",
+    None,
+    [("submit", 1, 1, False), ("submit", 1, 1, False), ("submit", 1, 1, True),
+     ("submit", 5, 1, False), ("abort", 2), *[("submit", 1, 1, False)] * 8],
+    mode="enforce",
+)  # fmt: skip
 
 
 def run(history: History, spool: Path) -> tuple[list[dict[str, Any]], dict[str, Reads]]:
@@ -105,6 +151,7 @@ def run(history: History, spool: Path) -> tuple[list[dict[str, Any]], dict[str, 
         scrub=history.scrub,
         deferred_release=history.deferred_release,
         decode_pages=DECODE_PAGES,
+        mode=history.mode,
     )
     submitted: list[str] = []
     try:
@@ -130,10 +177,16 @@ def run(history: History, spool: Path) -> tuple[list[dict[str, Any]], dict[str, 
 def check(events: list[dict[str, Any]], reads: dict[str, Reads]) -> None:
     for event in events:
         named = event.get("sources") or []
-        if not named and not event.get("other_sources"):
-            continue
         reader = event["request_id"]
         truth = reads.get(reader, {})
+        if stopped_before_read(event.get("detail")):
+            assert event["action"] == "enforced" or any(
+                e["action"] == "enforced" and e["request_id"] == reader for e in events
+            ), f"{event} says stopped, but nothing stopped {reader}"
+            assert not truth, f"{event} says {reader} was stopped before it read; it read {truth}"
+            continue
+        if not named and not event.get("other_sources"):
+            continue
         what = f"{event['detector']}/{event['kind']} names {reader} as a reader of {named}"
         assert truth, f"{what}, but it read nobody's KV"
         assert not event.get("other_sources"), what  # a handful of requests: all named
@@ -173,21 +226,41 @@ def view_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-@settings(
-    max_examples=HISTORIES,
-    derandomize=True,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+def _settings(examples: int) -> Any:
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+@_settings(HISTORIES)
 @given(histories)
 @example(ZERO_TAIL)
 @example(LATE_WRITE)
+@example(STOPPED)
 def test_every_named_reader_and_source_is_true(history: History) -> None:
+    holds_to_ground_truth(history)
+
+
+@_settings(STOPPING_HISTORIES)
+@given(stopping_histories)
+def test_a_request_stopped_before_it_read_is_never_named(history: History) -> None:
+    """Enforce mode where it stops requests before they read: each is an incident, never a
+    reader (``--exposed``) nor counted exposed, and really read nothing."""
+    holds_to_ground_truth(history)
+
+
+def holds_to_ground_truth(history: History) -> None:
     with tempfile.TemporaryDirectory(prefix="kvwatch-disclosure-") as spool:
         events, reads = run(history, Path(spool))
     check(events, reads)
-    view = exposure(group(view_rows(events)), since=None, until=None)
+    incidents = group(view_rows(events))
+    # Every affected request is an incident, a stopped one too (it still alarms).
+    assert {e["request_id"] for e in events} == {i["request_id"] for i in incidents}
+    view = exposure(incidents, since=None, until=None)
     for reader in view["readers"]:  # the disclosure team's list, as the daemon builds it
         truth = reads.get(reader["request_id"], {})
         assert truth, f"--exposed lists {reader['request_id']}, which read nobody's KV"
@@ -208,10 +281,26 @@ def test_exposed_skips_an_older_producers_write_to_free_page() -> None:
     assert group(view_rows([legacy]))[0]["exposed"] == 0
 
 
+def test_a_request_stopped_before_it_read_is_an_incident_but_no_reader() -> None:
+    """The late write after reuse that enforce mode stops: the event names whose KV the page
+    holds, but the request read nothing, and is listed as an incident only."""
+    with tempfile.TemporaryDirectory(prefix="kvwatch-disclosure-") as spool:
+        events, reads = run(STOPPED, Path(spool))
+    stopped = [e for e in events if e["kind"] == "stale_tag"]
+    assert stopped and all(e["action"] == "enforced" for e in stopped), events
+    assert all(e["sources"] and stopped_before_read(e["detail"]) for e in stopped), stopped
+    assert not reads.get(stopped[0]["request_id"]), reads
+    incidents = group(view_rows(events))
+    assert stopped[0]["request_id"] in {i["request_id"] for i in incidents}
+    assert exposure(incidents, since=None, until=None)["readers"] == []
+    assert counts(incidents)["exposed"] == 0
+
+
 @settings(max_examples=60, derandomize=True, deadline=None, database=None)
-@given(histories)
+@given(st.one_of(histories, stopping_histories))
 @example(ZERO_TAIL)
 @example(LATE_WRITE)
+@example(STOPPED)
 def test_the_daemons_exposed_view_is_true(history: History) -> None:
     """The same over fewer histories, through the daemon's own path: the spool read into a
     journal, ``kvwatch incidents --exposed``'s view built from its incidents."""
@@ -220,7 +309,8 @@ def test_the_daemons_exposed_view_is_true(history: History) -> None:
         events, reads = run(history, spool)
         journal = Journal(Path(tmp) / "journal.db")
         try:
-            reader = SpoolReader(spool, journal, journal.load(), quarantine_dir=Path(tmp) / "q")
+            state = journal.load()
+            reader = SpoolReader(spool, journal, state, quarantine_dir=Path(tmp) / "q")
             while reader.poll().more:
                 pass
             rows = journal.incidents()
@@ -228,6 +318,9 @@ def test_the_daemons_exposed_view_is_true(history: History) -> None:
             journal.close()
     assert len(rows) == len(events)
     view = exposure(group(rows), since=None, until=None)
+    # kvwatch_exposed_requests_total counts what the view counts (a stopped request: nobody).
+    counted = sum(v for (name, _), v in state.daemon.items() if name == "exposed_requests")
+    assert counted == view["counts"]["exposed"], (counted, view["counts"])
     for named in view["readers"]:
         truth = reads.get(named["request_id"], {})
         assert truth, f"--exposed lists {named['request_id']}, which read nobody's KV"
