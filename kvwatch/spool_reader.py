@@ -84,9 +84,12 @@ _PRIVATE_NAME: Final = re.compile(
 )
 _DETECTOR, _ROLE, _KIND = catalogue.DETECTOR.bound, catalogue.ROLE.bound, catalogue.KIND.bound
 _encode_json: Final = msgspec.json.Encoder(order="sorted").encode
-#: Incidents and exposed requests the reader remembers, to count each once
-#: (``kvwatch_affected_requests_total``, ``kvwatch_exposed_requests_total``).
-_EXPOSED_SEEN_MAX: Final = 65536
+#: Incidents the reader remembers to count each once (``kvwatch_affected_requests_total``):
+#: more than join in any minute but a storm; a later finding of one forgotten counts it again.
+#: A thousand cost ~0.7 MB (test_cardinality holds the daemon's memory flat under fresh ids).
+_JOINED_MAX: Final = 1024
+#: Exposed requests the reader remembers to count each once (``kvwatch_exposed_requests_total``).
+_EXPOSED_SEEN_MAX: Final = 16384
 #: An incident row's (detector, role, kind): the labels of ``kvwatch_incidents_total``.
 _INCIDENT_LABELS: Final = itemgetter(*map(IncidentRow._fields.index, ("detector", "role", "kind")))
 
@@ -635,7 +638,7 @@ class SpoolReader:
         """What the affected and exposed counters remember: the incidents (the views' join
         rule), the exposed requests counted (an ordered set), each incident's unnamed sources
         counted."""
-        return Joiner(limit=_EXPOSED_SEEN_MAX), {}, {}
+        return Joiner(limit=_JOINED_MAX), {}, {}
 
     def _exposures(self, producer: Producer, record: Event, ts: float, incident: int) -> None:
         """The reader -> source edges of an event, and the exposed requests it counts as
@@ -669,8 +672,8 @@ class SpoolReader:
         counted = others_seen.get(incident, 0)
         others = max(0, record.other_sources - counted)
         others_seen[incident] = max(counted, record.other_sources)
-        for table in (seen, others_seen):
-            if len(table) > _EXPOSED_SEEN_MAX:  # bounded memory: the oldest half goes
+        for table, most in ((seen, _EXPOSED_SEEN_MAX), (others_seen, _JOINED_MAX)):
+            if len(table) > most:  # bounded memory: the oldest half goes
                 for old in list(table)[: len(table) // 2]:
                     del table[old]  # type: ignore[arg-type]
         self._count("exposed_requests", (_ROLE(producer.role),), new + others)
