@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from demo.stack import CONTEXT, DECODE_POOL, NODE, PREFILL_POOL, REPO, Stack, missing_tools
 from demo.stack import Notification as Page
@@ -56,15 +57,31 @@ def ensure_prometheus() -> bool:
 
 
 _shown: set[str] = set()
+#: The description last printed for an integrity page's group.
+_described: dict[str, str] = {}
+
+
+def _counting(firing: list[dict[str, Any]]) -> str:
+    """The integrity page's description that counts: the reader's (decode) alert's, whose
+    numbers include decode's findings; a group's first notification may hold prefill's alone."""
+    reader = [a for a in firing if a.get("labels", {}).get("role") == "decode"]
+    return str((reader or firing)[0].get("annotations", {}).get("description", ""))
 
 
 def show_page(page: Page) -> None:
     """Print each alert group's page once, as a pager shows it: Alertmanager sends a group
     (``group_by: [alertname, node]``) as one notification and resends it as the group grows; the
-    pager keeps one incident per group key."""
+    pager keeps one incident per group key. An integrity page's counts can grow with its group:
+    a resend that changes them prints one line, ``now: ...``."""
     firing = [a for a in page.alerts() if a.get("status") == "firing"]
     key = str(page.payload.get("groupKey", ""))
-    if not firing or key in _shown:
+    if not firing:
+        return
+    integrity = page.payload.get("commonLabels", {}).get("alertname") == "KVIntegrityMismatch"
+    if key in _shown:
+        if integrity and _described.get(key) != (text := _counting(firing)):
+            _described[key] = text
+            print(f"      now: {text}", flush=True)
         return
     _shown.add(key)
     labels = dict(page.payload.get("commonLabels", {}))
@@ -87,8 +104,9 @@ def show_page(page: Page) -> None:
         f"      {first.get('annotations', {}).get('summary', '')}",
         flush=True,
     )
-    if labels.get("alertname") == "KVIntegrityMismatch":  # it counts the exposed requests
-        print(f"      {first.get('annotations', {}).get('description', '')}", flush=True)
+    if integrity:  # it counts the affected and exposed requests
+        _described[key] = _counting(firing)
+        print(f"      {_described[key]}", flush=True)
 
 
 def replay(stack: Stack) -> None:
@@ -196,7 +214,8 @@ def main() -> int:
         status(stack)
         if alerting and stack.webhook is not None:
             print("\n== Waiting for the page ...", flush=True)
-            stack.webhook.wait_for("KVIntegrityMismatch", timeout=60)
+            # The reader's alert (decode): its page counts what decode's findings add.
+            stack.webhook.wait_for("KVIntegrityMismatch", timeout=60, role="decode")
             time.sleep(1)
         if args.hold:
             print("\nEverything is still running; Ctrl-C stops it all.", flush=True)
