@@ -583,8 +583,13 @@ class KVWatch:
         return False
 
     def _forget_rows(self, pages: Ints, *, zeroed: bool = False) -> None:
-        """The pages were written (or zeroed) other than by a seal: rows unknown (or zeros)."""
-        if not self._rows and not zeroed:
+        """The pages were written (or zeroed) other than by a seal: rows unknown (or zeros).
+
+        Nothing to do while no seal has recorded rows (a decode engine, which never seals):
+        a page without a record has its tail read at the seal, and a scrubbed tail reads as
+        zeros there. So no hook on decode's per-step path (``extend``, ``wrote``) copies page
+        ids to the host, which on an accelerator is a sync."""
+        if not self._rows:
             return
         size = self.pool.page_size if self.pool is not None else 0
         for page in pages.tolist() if isinstance(pages, torch.Tensor) else pages:
