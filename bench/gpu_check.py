@@ -223,13 +223,13 @@ def step_cost(device: torch.device, sizes: Sizes) -> None:
                            device=device)]  # fmt: skip
     pool = PagedKVPool(buffers, sizes.page_tokens)
     watch = KVWatch(pool, role="decode", engine="gpu-check", mode=Mode.LOG)
-    assert watch.state is not None
+    assert watch._state is not None
     order = torch.randperm(num_pages - 1, device=device) + 1
     tickets = []
     for r in range(sizes.batch):
         ticket = watch.on_reserve(f"r{r}", order[r * per_request : (r + 1) * per_request])
         assert isinstance(ticket, Ticket)
-        watch.state.own_writes(ticket.pages)
+        watch._state.own_writes(ticket.pages)
         tickets.append(ticket)
     clean = watch.check_batch(tickets) + watch.resolve()  # on CPU at once, on a GPU at resolve
     check("per-step tags: a clean batch gives no finding", clean == [])

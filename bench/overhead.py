@@ -279,7 +279,7 @@ def step_hooks_at_batch(batch: int, context: int, page_size: int, steps: int, ro
                 watch.on_alloc(pages, f"r{r}")
                 ticket = watch.on_reserve(f"r{r}", pages)
                 assert ticket is not None
-                watch.state.own_writes(ticket.pages)  # type: ignore[union-attr]
+                watch._state.own_writes(ticket.pages)  # type: ignore[union-attr]
                 tickets.append(ticket)
             hooks = mode != "none"
             lengths = [context + r % page_size for r in range(batch)]  # boundaries spread out

@@ -71,6 +71,7 @@ class PageState(Protocol):
         self, pages: Ints, written: Ints | None = None
     ) -> tuple[list[int], list[float]]: ...
     def written_tags(self, pages: Ints) -> Ints: ...
+    def land(self, pages: Ints, gens: Ints, unwritten: Mask | None = None) -> None: ...
     def scrub(self, pages: Ints) -> None: ...
     def scrub_tail(self, page: int, used: int) -> None: ...
     def stale(self, pages: Ints, expected: Ints) -> Mask: ...
@@ -172,6 +173,17 @@ class DevicePages:
         """The pages' tags now (the generation each was last written for): one gather, no
         sync; :meth:`sources` given them later names who had written the pages then."""
         return self.written.index_select(0, torch.as_tensor(pages))
+
+    def land(self, pages: Ints, gens: Ints, unwritten: Mask | None = None) -> None:
+        """A write that carries no tags (or another engine's) wrote the pages for ``gens``,
+        except those ``unwritten`` (a page it did not write keeps its tag). A select, no sync."""
+        index = self.pool.as_index(pages)
+        tags = torch.as_tensor(gens).to(device=self.pool.device, dtype=torch.int64)
+        if unwritten is None:
+            self.written[index] = tags
+            return
+        kept = torch.as_tensor(unwritten, device=self.pool.device)
+        self.written[index] = torch.where(kept, self.written.index_select(0, index), tags)
 
     def sources(self, pages: Ints, written: Ints | None = None) -> tuple[list[int], list[float]]:
         """Per page, the key of the request whose data it holds and when (read on the host:
@@ -367,6 +379,16 @@ class HostPages:
 
     def written_tags(self, pages: Ints) -> list[int]:
         return [self.written[p] for p in self._ints(pages)]
+
+    def land(self, pages: Ints, gens: Ints, unwritten: Mask | None = None) -> None:
+        if unwritten is None:
+            self.pool.mark_written(pages, gens)
+            return
+        written = [
+            (page, tag) for page, tag, skip in zip(pages, gens, unwritten, strict=True) if not skip
+        ]
+        if written:
+            self.pool.mark_written([p for p, _ in written], [t for _, t in written])
 
     def sources(self, pages: Ints, written: Ints | None = None) -> tuple[list[int], list[float]]:
         h, stride = self.holders, _SLOTS * _FIELDS

@@ -67,15 +67,11 @@ from __future__ import annotations
 
 import atexit
 import functools
-import itertools
-import secrets
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -84,7 +80,6 @@ import torch
 
 from engine_hooks.canary import Purpose
 from engine_hooks.detectors import (
-    EXPOSING_KINDS,
     Admission,
     Canary,
     Finding,
@@ -96,176 +91,28 @@ from engine_hooks.detectors import (
     TransferChecksum,
     Verdict,
 )
-from engine_hooks.guard import never_raise
-from engine_hooks.pagestate import NOBODY, UNKNOWN, Ints, page_state
+from engine_hooks.guard import Guard
+from engine_hooks.labels import Detector, Hook, Kind, Skip
+from engine_hooks.pagestate import Ints, PageState, page_state
 from engine_hooks.pool import PagedKVPool, PageIds
+from engine_hooks.reporting import Reporter, stopped
+from engine_hooks.rows import SealRows
+from engine_hooks.scrub import Scrub
 from engine_hooks.spool import SpoolWriter
+from engine_hooks.tickets import RequestKeys, Ticket, instances_of, new_instance, owners_of
 from kvspool import schema
-from kvspool.catalogue import DETECTOR, HOOK, HOOKED_DETECTORS, SKIP_REASON
-from kvspool.records import STOPPED_BEFORE_READ, Source
+from kvspool.catalogue import HOOK, HOOKED_DETECTORS
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
+__all__ = ["KVWatch", "RequestKeys", "Scrub", "Ticket", "new_instance"]
+
 DETECTOR_NAMES = HOOKED_DETECTORS
-_HOOK_ERROR, _NO_POOL, _NO_SEAL, _UNSUPPORTED_LAYOUT = (
-    SKIP_REASON.check(reason)
-    for reason in ("hook_error", "no_pool", "no_seal", "unsupported_layout")
-)
 #: The hooks of :class:`KVWatch`, each named where it is defined (``_hook``), and the flush.
-_FLUSH = HOOK.check("flush")
-HOOKS: set[str] = {_FLUSH}
-# Mismatches already reported, remembered so a request instance is reported once per detector
-# and kind.
-_REMEMBERED_REPORTS = 4096
+HOOKS: set[str] = {Hook.FLUSH}
 # From this many pages on, a host-memory batch check is cheaper as tensor ops than in Python.
 _VECTOR_PAGES = 96
-
-
-# Requests remembered as page holders (see RequestKeys): a page whose holder was forgotten
-# has an unattributed source.
-_REQUEST_KEYS = 1 << 16
-
-
-class Scrub(StrEnum):
-    """When the hooks overwrite pages with zeros (independent of the detectors' modes)."""
-
-    OFF = "off"
-    ON_FREE = "on_free"  # when pages return to the free list
-    ON_RESERVE = "on_reserve"  # when decode reserves pages for a remote write
-
-
-class RequestKeys:
-    """Request instances as small integer keys for the per-page holder record (no content).
-
-    Keys count up from 1 and are never reused; the table keeps the ``limit`` most recently
-    used, so a page whose holder was forgotten is unattributed, never misattributed."""
-
-    def __init__(self, limit: int = _REQUEST_KEYS) -> None:
-        self.limit = limit
-        self._next = 1
-        self._by_key: OrderedDict[int, tuple[str, str]] = OrderedDict()
-        self._by_request: dict[tuple[str, str], int] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_key)
-
-    def key(self, request_id: str, instance: str = "") -> int:
-        """The key of a request instance (``UNKNOWN`` for an anonymous one)."""
-        if not request_id and not instance:
-            return UNKNOWN
-        ident = (request_id[:128], instance[:128])
-        key = self._by_request.get(ident)
-        if key is not None and key in self._by_key:
-            self._by_key.move_to_end(key)
-            return key
-        key, self._next = self._next, self._next + 1
-        self._by_key[key] = ident
-        self._by_request[ident] = key
-        while len(self._by_key) > self.limit:
-            old, old_ident = self._by_key.popitem(last=False)
-            if self._by_request.get(old_ident) == old:
-                del self._by_request[old_ident]
-        return key
-
-    def get(self, key: int) -> tuple[str, str] | None:
-        """(request id, instance) of a key, or None if forgotten or not a request's."""
-        return self._by_key.get(key)
-
-
-# Request instances: a random per-process prefix and a counter (unique without coordination).
-_INSTANCE_PREFIX = secrets.token_hex(4)
-_INSTANCE_COUNTER = itertools.count(1)
-
-
-def new_instance() -> str:
-    """A fresh request instance id: one admission of a request. A request id is not an
-    identity (clients reuse them); events are keyed by the instance, the id stays a field."""
-    return f"{_INSTANCE_PREFIX}-{next(_INSTANCE_COUNTER):x}"
-
-
-@dataclass(slots=True)
-class Ticket:
-    """A request's claim on decode pages: the page ids and their generations when reserved."""
-
-    request_id: str
-    pages: Ints
-    tags: Ints
-    instance: str = ""
-    # The same as one [2, n] tensor (page ids; tags), reused by every decode step's batch
-    # check: a view of a buffer with room to grow, which ``extend`` appends to in place on
-    # the host (through a numpy view) and which is rebuilt when full or on a device.
-    # (Not constructor arguments: public fields may follow without shifting positions.)
-    _stacked: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _buffer: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _host: np.ndarray | None = field(default=None, init=False, repr=False)
-    _host_stacked: np.ndarray | None = field(default=None, init=False, repr=False)
-    _count: int = field(default=0, init=False, repr=False)
-
-    @property
-    def page_count(self) -> int:
-        return len(self.pages)
-
-    def stacked(self, device: torch.device) -> torch.Tensor:
-        if self._stacked is None:
-            n = len(self.pages)
-            buffer = torch.empty((2, n + n // 2 + 8), dtype=torch.int64, device=device)
-            buffer[0, :n] = _int64(self.pages, device)
-            buffer[1, :n] = _int64(self.tags, device)
-            self._buffer, self._count = buffer, n
-            self._host = buffer.numpy() if buffer.device.type == "cpu" else None
-            self._stacked = buffer[:, :n]
-            self._host_stacked = None if self._host is None else self._host[:, :n]
-        return self._stacked
-
-    def repoint(self, pages: Ints, tags: Ints) -> None:
-        """The request's row now names other pages (a radix-cache dedup re-pointed it): the
-        ticket follows, and its cached tensors are rebuilt at the next step."""
-        self.pages, self.tags = pages, tags
-        self._stacked = self._buffer = self._host = self._host_stacked = None
-
-    def host_stacked(self) -> np.ndarray:
-        """:meth:`stacked` of a host pool as a numpy view (numpy joins many small arrays in
-        half the time of ``torch.cat``)."""
-        if self._host_stacked is None:
-            self.stacked(torch.device("cpu"))
-        assert self._host_stacked is not None
-        return self._host_stacked
-
-    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        stacked = self.stacked(device)
-        return stacked[0], stacked[1]
-
-    def _append(self, pages: Ints, tags: Ints) -> None:
-        """``extend`` added these pages to ``self.pages`` and ``self.tags``."""
-        start, end = self._count, self._count + len(pages)
-        host = self._host
-        if host is None or self._buffer is None or end > host.shape[1]:
-            self._stacked = self._buffer = self._host = self._host_stacked = None  # rebuilt
-            return
-        if end == start + 1 and isinstance(pages, list) and isinstance(tags, list):
-            host[0, start], host[1, start] = pages[0], tags[0]  # one decode page: no slicing
-        else:
-            host[0, start:end] = pages
-            host[1, start:end] = tags
-        self._count = end
-        self._stacked = self._buffer[:, :end]
-        self._host_stacked = host[:, :end]
-
-
-def _owners(tickets: Sequence[Ticket]) -> list[tuple[str, int]]:
-    return [(t.request_id, t.page_count) for t in tickets]
-
-
-def _instances(tickets: Sequence[Ticket]) -> tuple[str, ...]:
-    return tuple(t.instance for t in tickets)
-
-
-def _int64(values: Ints, device: torch.device) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        return values.to(device=device, dtype=torch.int64)
-    # Through numpy: torch.tensor(list) costs ~0.2 us per element, numpy a few ns.
-    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
 
 
 def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
@@ -275,20 +122,26 @@ def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
     return {name: Mode(mode) for name in DETECTOR_NAMES}
 
 
-def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Time a hook into ``hook_seconds{hook}`` and turn any exception into a counted no-op."""
+def _failed(
+    hook: Hook, _method: Callable[..., Any], args: tuple[Any, ...], _error: Exception
+) -> None:
+    """A hook of the watch ``args[0]`` failed: counted, and the verifications it skipped."""
+    watch = args[0]
+    watch.hook_failed(hook)
+    for detector in _HOOK_DETECTORS.get(hook, ()):
+        watch.skip(detector, Skip.HOOK_ERROR)
+
+
+_GUARD = Guard(_failed)
+
+
+def _hook(name: Hook, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Time a hook into ``hook_seconds{hook}`` and guard it (:mod:`engine_hooks.guard`)."""
     HOOKS.add(HOOK.check(name))
-
-    def failed(_method: Callable[..., Any], args: tuple[Any, ...], _error: Exception) -> None:
-        watch = args[0]
-        watch.stats.add("hook_errors", (name,))
-        for detector in watch.detectors_of(name):
-            watch.stats.skipped(detector, _HOOK_ERROR)
-
-    labels = (name,)
+    labels = (str(name),)
 
     def wrap(method: Callable[P, R]) -> Callable[P, R]:
-        guarded = never_raise(failed, fallback)(method)
+        guarded = _GUARD(name, fallback)(method)
 
         @functools.wraps(method)
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -299,7 +152,7 @@ def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], 
                 result: R = guarded(*args, **kwargs)
                 return result
             finally:
-                watch.stats.add("hook_seconds", labels, time.perf_counter() - started)
+                watch._stats.add("hook_seconds", labels, time.perf_counter() - started)
 
         return timed
 
@@ -307,21 +160,18 @@ def _hook(name: str, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], 
 
 
 #: The detectors whose verification a hook's failure skips.
-_HOOK_DETECTORS = {
-    HOOK.check(hook): tuple(DETECTOR.check(name) for name in detectors)
-    for hook, detectors in {
-        "alloc": ("canary", "page_tag"),
-        "free": ("page_tag",),
-        "reserve": ("canary", "page_tag"),
-        "seal": ("checksum",),
-        "verify": ("canary", "checksum", "page_tag"),
-        "step": ("page_tag",),
-        "landed": ("page_tag",),
-        "wrote": ("page_tag",),
-        "resolve": (),
-        "admission": ("admission",),
-        "startup": (),
-    }.items()
+_HOOK_DETECTORS: dict[Hook, tuple[Detector, ...]] = {
+    Hook.ALLOC: (Detector.CANARY, Detector.PAGE_TAG),
+    Hook.FREE: (Detector.PAGE_TAG,),
+    Hook.RESERVE: (Detector.CANARY, Detector.PAGE_TAG),
+    Hook.SEAL: (Detector.CHECKSUM,),
+    Hook.VERIFY: (Detector.CANARY, Detector.CHECKSUM, Detector.PAGE_TAG),
+    Hook.STEP: (Detector.PAGE_TAG,),
+    Hook.LANDED: (Detector.PAGE_TAG,),
+    Hook.WROTE: (Detector.PAGE_TAG,),
+    Hook.RESOLVE: (),
+    Hook.ADMISSION: (Detector.ADMISSION,),
+    Hook.STARTUP: (),
 }
 
 
@@ -346,8 +196,8 @@ class KVWatch:
         self.role = role
         self.modes = _modes(mode)
         self.scrub = Scrub(scrub)
-        self.requests = RequestKeys()
-        self.stats = Stats()
+        self._requests = RequestKeys()
+        self._stats = Stats()
         if isinstance(spool, str | Path):
             spool = SpoolWriter(
                 spool,
@@ -358,25 +208,22 @@ class KVWatch:
                 rank=rank,
             )
         self.spool = spool
-        self.admission = Admission(self.stats, self.modes[Admission.name])
-        self.state = page_state(pool) if pool else None
-        self.tags = (
-            PageTags(self.state, self.stats, self.modes[PageTags.name]) if self.state else None
+        self._admission = Admission(self._stats, self.modes[Admission.name])
+        self._state = page_state(pool) if pool else None
+        self._tags = (
+            PageTags(self._state, self._stats, self.modes[PageTags.name]) if self._state else None
         )
-        self.canary = (
-            Canary(pool, self.state, self.stats, self.modes[Canary.name])
-            if pool and self.state
+        self._canary = (
+            Canary(pool, self._state, self._stats, self.modes[Canary.name])
+            if pool and self._state
             else None
         )
-        self.checksum = (
-            TransferChecksum(pool, self.stats, self.modes[TransferChecksum.name]) if pool else None
+        self._checksum = (
+            TransferChecksum(pool, self._stats, self.modes[TransferChecksum.name]) if pool else None
         )
         self.pool_report: PoolReport | None = None
         self._pending: list[Finding] = []
-        self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
-        # Per page a seal wrote, whose KV each of its token rows holds, top down: (holder or
-        # None for zeros, rows up to). Kept at seal (a sync point) for its residue only.
-        self._rows: dict[int, list[tuple[tuple[str, str] | None, int]]] = {}
+        self._rows = SealRows(pool, self._state, self._requests) if pool and self._state else None
         self._on_device = pool is not None and not pool.is_cpu
         self._lock = threading.Lock()  # guards the spool snapshot against the flush thread
         self._stop = threading.Event()
@@ -384,6 +231,9 @@ class KVWatch:
         # later (the alert pages on the counter; an engine killed in between would leave an
         # event that pages nobody). The engine's thread only sets it: it never waits on a write.
         self._flush_soon = threading.Event()
+        self._reporter = Reporter(
+            self._state, self._requests, self._stats, self.spool, self._flush_soon
+        )
         self._thread: threading.Thread | None = None
         if self.spool is not None:
             self.flush()
@@ -394,12 +244,16 @@ class KVWatch:
             ref = weakref.ref(self)
             atexit.register(_close_ref, ref)
 
+    def _use_state(self, state: PageState) -> None:
+        """Run on another page-state backend (tests: the device backend on a CPU pool)."""
+        self._state = state
+        for user in (self._tags, self._canary, self._reporter, self._rows):
+            if user is not None:
+                user.state = state
+
     # -- hook points --------------------------------------------------------------------------
 
-    def detectors_of(self, hook: str) -> tuple[str, ...]:
-        return _HOOK_DETECTORS.get(hook, ())
-
-    @_hook("startup", lambda: None)
+    @_hook(Hook.STARTUP, lambda: None)
     def report_pool(
         self, pool_tokens: int, context_length_tokens: int, page_size: int
     ) -> PoolReport:
@@ -408,204 +262,132 @@ class KVWatch:
         self._write_gauges()
         return self.pool_report
 
-    @_hook("alloc", list)
+    @_hook(Hook.ALLOC, list)
     def on_alloc(self, pages: PageIds, request_id: str = "", instance: str = "") -> list[Verdict]:
         """Pages leave the free list: check free canaries, bump generations (given to
         ``request_id``, when the engine knows it here)."""
-        if self.state is None or self.canary is None:
+        if self._state is None or self._canary is None:
             return []
-        index = self.state.index(pages)
+        index = self._state.index(pages)
         findings: list[Finding] = []
-        if self.canary.usable and self.canary.active():
-            gens = self.state.generations(index)
-            free = self.canary.check_free(request_id, index, gens)
+        if self._canary.usable and self._canary.active():
+            gens = self._state.generations(index)
+            free = self._canary.check_free(request_id, index, gens)
             if self._on_device:  # resolved later: the late writer by the tags it left now
-                free.tags = self.state.written_tags(index)
+                free.tags = self._state.written_tags(index)
             findings.append(free)
-            self.stats.verified(Canary.name)
-        self.state.set_free(index, False)
-        self.state.bump(index, self.requests.key(request_id, instance), time.time())
+            self._stats.verified(Canary.name)
+        self._state.set_free(index, False)
+        self._state.bump(index, self._requests.key(request_id, instance), time.time())
         return self._settle(findings)
 
-    @_hook("free", list)
+    @_hook(Hook.FREE, list)
     def on_free(self, pages: PageIds, request_id: str = "") -> list[Verdict]:
         """Pages return to the free list: catch a double free, stamp free canaries."""
-        if self.state is None or self.tags is None or self.canary is None:
+        if self._state is None or self._tags is None or self._canary is None:
             return []
-        index = self.state.index(pages)
-        double_free = self.tags.freed(index, request_id)
-        findings = [double_free] if self.tags.active() else []
+        index = self._state.index(pages)
+        double_free = self._tags.freed(index, request_id)
+        findings = [double_free] if self._tags.active() else []
         if self.scrub is Scrub.ON_FREE:
-            self.state.scrub(index)  # before the stamp: the stamp must survive it
-            self._forget_rows(index, zeroed=True)
-        if self.canary.usable and self.canary.mode is not Mode.OFF:
-            self.state.stamp(index, self.state.generations(index), Purpose.FREE)
+            self._state.scrub(index)  # before the stamp: the stamp must survive it
+            self._forget(index, zeroed=True)
+        if self._canary.usable and self._canary.mode is not Mode.OFF:
+            self._state.stamp(index, self._state.generations(index), Purpose.FREE)
         return self._settle(findings)
 
-    @_hook("reserve", lambda: None)
+    @_hook(Hook.RESERVE, lambda: None)
     def on_reserve(self, request_id: str, pages: PageIds, instance: str = "") -> Ticket | None:
         """Decode reserved destination pages for a request: stamp them, remember generations.
         The ticket carries ``instance``, or a fresh one (:func:`new_instance`)."""
-        if self.state is None or self.canary is None:
+        if self._state is None or self._canary is None:
             return None
-        index = self.state.index(pages)
-        tags = self.state.generations(index)
+        index = self._state.index(pages)
+        tags = self._state.generations(index)
         instance = instance or new_instance()
-        self.state.claim(index, self.requests.key(request_id, instance), time.time())
+        self._state.claim(index, self._requests.key(request_id, instance), time.time())
         if self.scrub is Scrub.ON_RESERVE:
-            self.state.scrub(index)  # before the stamp: the stamp must survive it
-            self._forget_rows(index, zeroed=True)
-        if self.canary.usable and self.canary.mode is not Mode.OFF:
-            self.state.stamp(index, tags, Purpose.RESERVED)
+            self._state.scrub(index)  # before the stamp: the stamp must survive it
+            self._forget(index, zeroed=True)
+        if self._canary.usable and self._canary.mode is not Mode.OFF:
+            self._state.stamp(index, tags, Purpose.RESERVED)
         return Ticket(request_id, index, tags, instance)
 
-    @_hook("reserve", lambda: None)
+    @_hook(Hook.RESERVE, lambda: None)
     def extend(self, ticket: Ticket, pages: PageIds) -> None:
         """Pages allocated later to the same request that the engine writes itself (decode's
         own tokens): they join the ticket, tagged as written by their owner."""
-        if self.state is None:
+        if self._state is None:
             return
-        index = self.state.index(pages)
+        index = self._state.index(pages)
         self._own(index, ticket.request_id, ticket.instance)
-        self._forget_rows(index)
-        gens = self.state.generations(index)
+        self._forget(index)
+        gens = self._state.generations(index)
         if isinstance(ticket.pages, list) and isinstance(ticket.tags, list):
             # Host lists grow in place (a copy per decode page is O(pages)); nothing else
             # holds them: host findings are resolved before their hook returns.
             ticket.pages.extend(index)
             ticket.tags.extend(gens)
         else:
-            ticket.pages = self.state.concat([ticket.pages, index])
-            ticket.tags = self.state.concat([ticket.tags, gens])
+            ticket.pages = self._state.concat([ticket.pages, index])
+            ticket.tags = self._state.concat([ticket.tags, gens])
         ticket._append(index, gens)
 
-    @_hook("wrote", lambda: None)
+    @_hook(Hook.WROTE, lambda: None)
     def wrote(self, request_id: str, pages: PageIds, instance: str = "") -> None:
         """The request's own forward wrote these pages (an engine's own writes carry no tags):
         they are written for their current generation and hold its KV from now on."""
-        if self.state is None or len(pages) == 0:
+        if self._state is None or len(pages) == 0:
             return
-        index = self.state.index(pages)
+        index = self._state.index(pages)
         self._own(index, request_id, instance)
-        self._forget_rows(index)
+        self._forget(index)
+
+    def _forget(self, pages: Ints, *, zeroed: bool = False) -> None:
+        """The pages were written (or zeroed) other than by a seal: see :mod:`engine_hooks.rows`."""
+        if self._rows is not None:
+            self._rows.forget(pages, zeroed=zeroed)
 
     def _own(self, index: Ints, request_id: str, instance: str = "") -> None:
         """``request_id`` wrote the pages ``index`` itself, now."""
-        assert self.state is not None
-        self.state.own_writes(index, time.time(), self.requests.key(request_id, instance))
+        assert self._state is not None
+        self._state.own_writes(index, time.time(), self._requests.key(request_id, instance))
 
-    @_hook("landed", lambda: None)
+    @_hook(Hook.LANDED, lambda: None)
     def landed(self, ticket: Ticket) -> None:
         """A transfer that carries no page tags (SGLang's, NIXL's) completed into ``ticket``'s
         reserved pages: mark written the pages it really wrote, told by the reserved canary
         being gone (all of them where the canary cannot tell: off, or a pool it cannot stamp).
         A page it did not write keeps the tag of its last write, so a finding on it names
         whose KV it still holds, never the reader. No host sync on an accelerator."""
-        state, pool, canary = self.state, self.pool, self.canary
-        if state is None or pool is None or not ticket.page_count:
+        state, canary = self._state, self._canary
+        if state is None or self.pool is None or not ticket.page_count:
             return
         if canary is None or not canary.usable or canary.mode is Mode.OFF:
-            pool.mark_written(ticket.pages, ticket.tags)
+            state.land(ticket.pages, ticket.tags)
             return
-        intact = state.intact(ticket.pages, ticket.tags, Purpose.RESERVED)
-        if isinstance(intact, torch.Tensor):  # on the device: a select, no sync
-            index = pool.as_index(ticket.pages)
-            tags = torch.as_tensor(ticket.tags).to(device=pool.device, dtype=torch.int64)
-            store = pool.tag_store
-            store[index] = torch.where(intact, store.index_select(0, index), tags)
-            return
-        written = [
-            (page, tag)
-            for page, tag, unwritten in zip(ticket.pages, ticket.tags, intact, strict=True)
-            if not unwritten
-        ]
-        if written:
-            pool.mark_written([p for p, _ in written], [t for _, t in written])
+        # On the device a select, no sync.
+        state.land(
+            ticket.pages, ticket.tags, state.intact(ticket.pages, ticket.tags, Purpose.RESERVED)
+        )
 
-    @_hook("seal", lambda: None)
+    @_hook(Hook.SEAL, lambda: None)
     def seal(self, request_id: str, pages: PageIds, tokens: int | None = None) -> Seal | None:
         """The writer's seal over the pages it sent (prefill, after the KV is computed): also
         records that ``request_id`` wrote them (for the blast radius, in any checksum mode).
         ``tokens``, the tokens written, when the engine knows it: fewer than the pages hold
         leave the last page's tail to its previous holder, which the seal names as residue;
         with scrub on, that tail is zeroed instead (before it is sealed and sent)."""
-        if self.checksum is None or self.pool is None or self.state is None:
+        if self._checksum is None or self._rows is None or self._state is None:
             return None
-        index = self.state.index(pages)
-        residue: tuple[tuple[str, str], ...] = ()
-        count, page_size = len(index), self.pool.page_size
-        me = (request_id[:128], "")
-        if count and tokens is not None and 0 <= tokens < count * page_size:
-            last = index[count - 1 :]
-            used = max(0, tokens - (count - 1) * page_size)
-            if self.scrub is Scrub.OFF:
-                residue = self._residue(int(last[0]), used, request_id)
-            else:
-                self.state.scrub_tail(int(last[0]), used)
-                self._rows[int(last[0])] = [(me, used), (None, page_size)]
-            full = [int(p) for p in index[: count - 1]]
-        else:
-            full = [int(p) for p in index]
-        for page in full:
-            self._rows[page] = [(me, page_size)]
+        index = self._state.index(pages)
+        residue = self._rows.sealed(index, request_id, tokens, scrub=self.scrub is not Scrub.OFF)
         self._own(index, request_id)
-        if not self.checksum.active():
+        if not self._checksum.active():
             return None
-        return replace(self.checksum.seal(pages), residue=residue)
+        return replace(self._checksum.seal(pages), residue=residue)
 
-    def _residue(self, page: int, used: int, writer: str) -> tuple[tuple[str, str], ...]:
-        """Whose KV stays in rows ``used`` and up of ``page`` once ``writer`` wrote the rows
-        before them: from the rows the page's earlier seals wrote, where known; else the page's
-        holder by its tag, if those rows are not zeros (never written, or scrubbed)."""
-        assert self.pool is not None
-        size, me = self.pool.page_size, (writer[:128], "")
-        layers = self._rows.get(page)
-        if layers is None:
-            holders = self._holders([page], writer) if self._tail_written(page, used) else ()
-            layers = [*((h, size) for h in holders), (None, size)]
-        out: list[tuple[str, str]] = []
-        below = 0
-        for holder, upto in layers:
-            if upto > max(below, used) and holder is not None and holder[0] != writer:
-                out.append(holder)
-            below = max(below, upto)
-        self._rows[page] = [(me, used), *((h, u) for h, u in layers if u > used)]
-        return tuple(sorted(set(out)))
-
-    def _tail_written(self, page: int, used: int) -> bool:
-        """Whether any row of ``page`` from ``used`` on is not zeros, in any buffer."""
-        assert self.pool is not None
-        size = self.pool.page_size
-        for view in self.pool.page_views:
-            rows = view[page].view(size, -1)
-            if bool(rows[used:].any()):
-                return True
-        return False
-
-    def _forget_rows(self, pages: Ints, *, zeroed: bool = False) -> None:
-        """The pages were written (or zeroed) other than by a seal: rows unknown (or zeros).
-
-        Nothing to do while no seal has recorded rows (a decode engine, which never seals):
-        a page without a record has its tail read at the seal, and a scrubbed tail reads as
-        zeros there. So no hook on decode's per-step path (``extend``, ``wrote``) copies page
-        ids to the host, which on an accelerator is a sync."""
-        if not self._rows:
-            return
-        size = self.pool.page_size if self.pool is not None else 0
-        for page in pages.tolist() if isinstance(pages, torch.Tensor) else pages:
-            if zeroed:
-                self._rows[int(page)] = [(None, size)]
-            else:
-                self._rows.pop(int(page), None)
-
-    def _holders(self, pages: Ints, reader: str) -> tuple[tuple[str, str], ...]:
-        """The requests (id, instance) whose data these pages hold now, other than ``reader``."""
-        assert self.state is not None
-        keys, _ = self.state.sources(pages)
-        idents = {self.requests.get(k) for k in keys if k not in (NOBODY, UNKNOWN)}
-        return tuple(sorted(i for i in idents if i is not None and i[0] != reader))
-
-    @_hook("verify", list)
+    @_hook(Hook.VERIFY, list)
     def verify_admit(
         self, ticket: Ticket | None, seal: Seal | None, *, before_read: bool = False
     ) -> list[Verdict]:
@@ -614,29 +396,19 @@ class KVWatch:
         ``before_read``: the engine calls this before anything reads the pages and fails the
         request when a verdict ``blocks`` (see :func:`_stopped`). Returns the mismatches (an
         empty list when the request is clean)."""
-        if ticket is None or self.canary is None or self.tags is None or self.checksum is None:
+        if ticket is None or self._canary is None or self._tags is None or self._checksum is None:
             for name in (Canary.name, TransferChecksum.name, PageTags.name):
-                self.stats.skipped(name, _NO_POOL)
+                self._stats.skipped(name, Skip.NO_POOL)
             return []
         rid, instance = ticket.request_id, ticket.instance
-        findings: list[Finding] = []
         residue: Sequence[tuple[str, str]] = ()
-        if not self.canary.usable:
-            self.stats.skipped(self.canary.name, _UNSUPPORTED_LAYOUT)
-        elif self.canary.active():
-            findings.append(self.canary.check_reserved(rid, ticket.pages, ticket.tags, instance))
-            self.stats.verified(Canary.name)
-        if self.tags.active():
-            owners = [(rid, ticket.page_count)]
-            findings.append(self.tags.compare(owners, ticket.pages, ticket.tags, (instance,)))
-            self.stats.verified(PageTags.name)
-        verdicts = self._verdicts(findings)
-        if self.checksum.active():
+        verdicts = self._verdicts(self._admit_findings(ticket))
+        if self._checksum.active():
             if seal is None:
-                self.stats.skipped(self.checksum.name, _NO_SEAL)
+                self._stats.skipped(self._checksum.name, Skip.NO_SEAL)
             else:
-                verdict = self.checksum.verify(rid, ticket.pages, seal)
-                self.stats.verified(TransferChecksum.name)
+                verdict = self._checksum.verify(rid, ticket.pages, seal)
+                self._stats.verified(TransferChecksum.name)
                 if not verdict.ok:
                     # Read past the sealed pages: the last one's unwritten tail is read too.
                     short = verdict.kind == TransferChecksum.PAGE_COUNT and (
@@ -645,16 +417,32 @@ class KVWatch:
                     residue = seal.residue if short else ()
                     verdicts.append(replace(verdict, instance=instance))
         return [
-            self._report(v, residue if v.detector == TransferChecksum.name else ())
-            for v in _stopped(verdicts, before_read)
+            self._reporter.report(v, residue if v.detector == TransferChecksum.name else ())
+            for v in stopped(verdicts, before_read)
         ]
 
-    @_hook("step", list)
+    def _admit_findings(self, ticket: Ticket) -> list[Finding]:
+        """The canary's and the page tags' findings on a ticket at admission, counted."""
+        assert self._canary is not None and self._tags is not None
+        rid, instance = ticket.request_id, ticket.instance
+        findings: list[Finding] = []
+        if not self._canary.usable:
+            self._stats.skipped(self._canary.name, Skip.UNSUPPORTED_LAYOUT)
+        elif self._canary.active():
+            findings.append(self._canary.check_reserved(rid, ticket.pages, ticket.tags, instance))
+            self._stats.verified(Canary.name)
+        if self._tags.active():
+            owners = [(rid, ticket.page_count)]
+            findings.append(self._tags.compare(owners, ticket.pages, ticket.tags, (instance,)))
+            self._stats.verified(PageTags.name)
+        return findings
+
+    @_hook(Hook.STEP, list)
     def check_step(self, ticket: Ticket, *, before_read: bool = False) -> list[Verdict]:
         """Per decode step, one request: see :meth:`check_batch`."""
         return self.check_batch([ticket], before_read=before_read)
 
-    @_hook("step", list)
+    @_hook(Hook.STEP, list)
     def check_batch(self, tickets: Sequence[Ticket], *, before_read: bool = False) -> list[Verdict]:
         """Per decode step, the whole running batch in one vectorised check: every page still
         holds the generation its request was given (no host sync on an accelerator).
@@ -662,9 +450,9 @@ class KVWatch:
         ``before_read``: the engine calls this before the step reads the pages and fails the
         requests whose verdicts ``block`` (see :func:`_stopped`); on an accelerator the check
         is read at :meth:`resolve`, after the step, so it never says so."""
-        if self.state is None or self.tags is None or not tickets or not self.tags.active():
+        if self._state is None or self._tags is None or not tickets or not self._tags.active():
             return []
-        self.stats.verified(PageTags.name, len(tickets))
+        self._stats.verified(PageTags.name, len(tickets))
         pages: Ints
         expected: Ints
         if self._on_device:
@@ -673,39 +461,131 @@ class KVWatch:
             both = torch.cat([t.stacked(device) for t in tickets], dim=1)  # one copy, not two
             pages, expected = both[0], both[1]
             # Read at resolve(), after the tickets may have grown: taken now.
-            owners = _owners(tickets)
-            instances = _instances(tickets)
-            return self._settle([self.tags.compare(owners, pages, expected, instances)])
+            owners = owners_of(tickets)
+            instances = instances_of(tickets)
+            return self._settle([self._tags.compare(owners, pages, expected, instances)])
         if len(tickets) >= _VECTOR_PAGES or sum(t.page_count for t in tickets) >= _VECTOR_PAGES:
             both = torch.from_numpy(np.concatenate([t.host_stacked() for t in tickets], axis=1))
             pages, expected = both[0], both[1]
         else:
-            pages = self.state.concat([t.pages for t in tickets])
-            expected = self.state.concat([t.tags for t in tickets])
+            pages = self._state.concat([t.pages for t in tickets])
+            expected = self._state.concat([t.tags for t in tickets])
         # On the host the finding is resolved before this returns: owners and instances are
         # needed only when a page is stale, so a clean step does not build them.
-        owned, named = (lambda: _owners(tickets)), (lambda: _instances(tickets))
-        return self._settle([self.tags.compare(owned, pages, expected, named)], before_read)
+        owned, named = (lambda: owners_of(tickets)), (lambda: instances_of(tickets))
+        return self._settle([self._tags.compare(owned, pages, expected, named)], before_read)
 
-    @_hook("admission", lambda: Verdict(Admission.name, ""))
+    @_hook(Hook.ADMISSION, lambda: Verdict(Admission.name, ""))
     def on_admission(
         self, request_id: str, queue: str, *, aborted: bool, finished: bool, instance: str = ""
     ) -> Verdict:
         """An admission queue is about to admit a request; ``aborted`` is ``to_finish`` set.
         Each call is one admission: without ``instance`` it gets a fresh one."""
-        if not self.admission.active():
-            return self.admission.clean(request_id)
-        self.stats.verified(Admission.name)
-        verdict = self.admission.check(request_id, queue, aborted, finished)
+        if not self._admission.active():
+            return self._admission.clean(request_id)
+        self._stats.verified(Admission.name)
+        verdict = self._admission.check(request_id, queue, aborted, finished)
         if verdict.ok:
             return verdict
-        return self._report(replace(verdict, instance=instance or new_instance()))
+        return self._reporter.report(replace(verdict, instance=instance or new_instance()))
 
-    @_hook("resolve", list)
+    @_hook(Hook.RESOLVE, list)
     def resolve(self) -> list[Verdict]:
         """Read the deferred device checks; call where the engine already synchronises."""
         pending, self._pending = self._pending, []
         return self._resolved(pending)
+
+    # -- doors for adapters -------------------------------------------------------------------
+    # Not hooks: an adapter calls them inside its own guarded hook, whose guard counts a failure.
+
+    def verify_later(self, ticket: Ticket) -> None:
+        """:meth:`verify_admit` without a device sync and without a seal: the canary and tag
+        compares queue up until the next :meth:`resolve` (an engine that syncs only there)."""
+        findings = self._admit_findings(ticket)
+        self.skip(Detector.CHECKSUM, Skip.NO_SEAL)
+        self._pending.extend(findings)
+
+    def follow(self, ticket: Ticket, pages: PageIds) -> None:
+        """The request's row reads ``pages`` now (a radix-cache dedup re-pointed it): the ticket
+        follows. A page the engine re-pointed (the cache's copy of the same tokens) joins with
+        its current generation, which its owner vouches for, and is written for it; a page left
+        in place keeps the generation it was reserved with. No sync on an accelerator."""
+        state = self._state
+        if state is None or not ticket.page_count:
+            return
+        index = state.index(pages)
+        fresh = state.generations(index)
+        tags: Ints
+        if isinstance(index, torch.Tensor):  # on the device: one select per step
+            assert isinstance(fresh, torch.Tensor)
+            same = index == torch.as_tensor(ticket.pages, device=index.device)
+            tags = torch.where(same, torch.as_tensor(ticket.tags, device=index.device), fresh)
+            state.land(index, fresh, same)  # a moved page is written for its current generation
+        else:
+            assert isinstance(fresh, list) and isinstance(ticket.pages, list)
+            assert isinstance(ticket.tags, list)
+            if index == ticket.pages:
+                return
+            moved = [p for p, q in zip(index, ticket.pages, strict=True) if p != q]
+            tags = [
+                t if p == q else f
+                for p, q, t, f in zip(index, ticket.pages, ticket.tags, fresh, strict=True)
+            ]
+            state.own_writes(moved)
+        ticket.repoint(index, tags)
+
+    def free_list(self, pages: PageIds) -> list[Verdict]:
+        """The engine's whole free list is ``pages`` now (start-up, a cache flush): every
+        page's old free mark is dropped, then ``pages`` are freed as by :meth:`on_free`."""
+        if self._state is None or self.pool is None:
+            return []
+        self._state.set_free(self._state.index(range(self.pool.num_pages)), False)
+        return self.on_free(pages)
+
+    def seal_pages(self, pages: PageIds) -> Seal | None:
+        """The checksum's seal over ``pages`` alone, for an adapter that records its writes
+        itself (:meth:`wrote`); None when the checksum is off or there is no pool."""
+        if self._checksum is None or not self._checksum.active():
+            return None
+        return self._checksum.seal_pages(pages)
+
+    def verified(self, detector: Detector, count: int = 1) -> None:
+        """``count`` requests verified by a detector the adapter runs (an engine's own)."""
+        self._stats.add("verifications", (str(detector),), count)
+
+    def skip(self, detector: Detector, reason: Skip, count: int = 1) -> None:
+        """``count`` requests the detector did not verify, and why."""
+        self._stats.add("verifications_skipped", (str(detector), str(reason)), count)
+
+    def hook_failed(self, hook: Hook, count: int = 1) -> None:
+        """An adapter's hook failed ``count`` times (its guard caught it; the engine went on)."""
+        self._stats.add("hook_errors", (str(hook),), count)
+
+    def engine_finding(
+        self,
+        detector: Detector,
+        kind: Kind,
+        request_id: str,
+        detail: dict[str, int | str],
+        *,
+        enforced: bool,
+        instance: str = "",
+    ) -> None:
+        """A mismatch the engine's own detector found: counted, and its event written."""
+        self._stats.mismatch(str(detector), str(kind))
+        self._reporter.engine_event(detector, kind, request_id, detail, enforced, instance)
+
+    def counter(self, name: str, *labels: str) -> float:
+        """A counter's value now (``name`` and label values as in the spool's ``counters``)."""
+        return self._stats.get(name, *labels)
+
+    def hook_seconds(self) -> dict[str, float]:
+        """Time spent in each hook so far (the ``hook_seconds`` counter), by hook."""
+        return {
+            labels[0]: value
+            for (name, labels), value in list(self._stats.values.items())
+            if name == "hook_seconds"
+        }
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -715,11 +595,11 @@ class KVWatch:
         if self._on_device:
             self._pending.extend(findings)
             return []
-        return [self._report(v) for v in _stopped(self._verdicts(findings), before_read)]
+        return [self._reporter.report(v) for v in stopped(self._verdicts(findings), before_read)]
 
     def _resolved(self, findings: list[Finding]) -> list[Verdict]:
         """The findings' verdicts, reported."""
-        return [self._report(v) for v in self._verdicts(findings)]
+        return [self._reporter.report(v) for v in self._verdicts(findings)]
 
     def _verdicts(self, findings: list[Finding]) -> list[Verdict]:
         """The findings' verdicts, not yet reported; a write into a free page as its late
@@ -728,130 +608,13 @@ class KVWatch:
         for finding in findings:
             verdicts = finding.resolve()
             if finding.kind == Canary.WRITE_TO_FREE_PAGE:
-                verdicts = self._late_writers(verdicts, finding)
+                verdicts = self._reporter.late_writers(verdicts, finding)
             out.extend(verdicts)
         return out
 
-    def _late_writers(self, verdicts: list[Verdict], finding: Finding) -> list[Verdict]:
-        """A write into a free page is the late WRITER's finding, not the allocating request's:
-        that request has read nothing (its own write comes first, and were it to read the page
-        unwritten, its read is a finding of its own, naming the writer as a source). The
-        writer is the holder of the generation the page's tag says was written last (a late
-        write carries its request's tag); one verdict per writer, the allocating request kept
-        as ``detail["next_owner"]``. No sources: the finding is nobody's read. On an accelerator
-        the tags are the ones taken at the allocation (``finding.tags``): by the time the
-        finding is read the next owner may have written the page."""
-        if self.state is None:
-            return verdicts
-        tags: dict[int, int] = {}
-        if finding.tags is not None:
-            pages = (
-                finding.pages.tolist() if isinstance(finding.pages, torch.Tensor) else finding.pages
-            )
-            taken = (
-                finding.tags.tolist() if isinstance(finding.tags, torch.Tensor) else finding.tags
-            )
-            tags = dict(zip(pages, taken, strict=True))
-        out: list[Verdict] = []
-        for verdict in verdicts:
-            index = self.state.index(verdict.pages)
-            then = [tags[p] for p in verdict.pages] if tags else None
-            keys, _ = self.state.sources(index, then)
-            writers: dict[tuple[str, str], list[int]] = {}
-            for page, key in zip(verdict.pages, keys, strict=True):
-                ident = self.requests.get(key) if key not in (NOBODY, UNKNOWN) else None
-                writers.setdefault(ident or ("", ""), []).append(page)
-            detail = dict(verdict.detail)
-            if verdict.request_id:
-                detail["next_owner"] = _text(verdict.request_id)
-            for (rid, instance), pages in sorted(writers.items()):
-                out.append(
-                    replace(
-                        verdict, request_id=rid, instance=instance, pages=tuple(pages),
-                        detail=detail,
-                    )
-                )  # fmt: skip
-        return out
-
-    def _report(self, verdict: Verdict, residue: Sequence[tuple[str, str]] = ()) -> Verdict:
-        """Count a mismatch and write its event record, once per request instance, detector and
-        kind: a stale page found at admit is found again at every decode step of the same
-        request. The instance, not the request id: two requests may share an id."""
-        key = (verdict.instance, verdict.detector, verdict.kind or "other")
-        if verdict.instance and key in self._reported:
-            return verdict
-        if verdict.instance:
-            self._reported[key] = None
-            if len(self._reported) > _REMEMBERED_REPORTS:
-                self._reported.popitem(last=False)
-        verdict = self._expose(verdict, residue)
-        self.stats.mismatch(verdict.detector, verdict.kind or "other")
-        if self.spool is not None:
-            record: dict[str, Any] = {
-                "detector": verdict.detector,
-                "kind": verdict.kind or "other",
-                "mode": str(verdict.mode),
-                "action": "enforced" if verdict.blocks else "logged",
-                "request_id": _text(verdict.request_id),
-                "pages": list(verdict.pages[: schema.MAX_EVENT_PAGES]),
-                "pages_total": len(verdict.pages),
-                "detail": verdict.detail,
-            }
-            if verdict.instance:
-                record["instance"] = _text(verdict.instance)
-            if verdict.kind in EXPOSING_KINDS:
-                record["sources"] = [_source_record(s) for s in verdict.sources]
-                record["other_sources"] = verdict.other_sources
-                record["other_source_pages"] = verdict.other_source_pages
-            self.spool.write(schema.EVENT, record)
-            self._flush_soon.set()
-        return verdict
-
-    def _expose(self, verdict: Verdict, residue: Sequence[tuple[str, str]] = ()) -> Verdict:
-        """The verdict with the requests whose data its pages held (see the module docstring),
-        and the ``residue`` of the writer's last page (one page each; see :class:`Seal`)."""
-        if self.state is None or verdict.kind not in EXPOSING_KINDS or not verdict.pages:
-            return verdict
-        keys, times = self.state.sources(self.state.index(verdict.pages))
-        held: dict[tuple[str, str], list[float]] = {}
-        unattributed = 0
-        found = [
-            (self.requests.get(key) if key != UNKNOWN else None, at)
-            for key, at in zip(keys, times, strict=True)
-            if key != NOBODY
-        ]
-        for ident, at in [*found, *((r, 0.0) for r in residue)]:
-            if ident is None:
-                unattributed += 1
-            elif not _is_reader(ident, verdict):
-                entry = held.setdefault(ident, [0, 0.0])
-                entry[0] += 1
-                entry[1] = max(entry[1], at)
-        ranked = sorted(held.items(), key=lambda item: (-item[1][0], item[0]))
-        top, rest = ranked[: schema.MAX_EVENT_SOURCES], ranked[schema.MAX_EVENT_SOURCES :]
-        sources = tuple(
-            Source(
-                request_id=rid,
-                pages=int(count),
-                instance=instance or None,
-                written_at=max(0.0, at),
-            )
-            for (rid, instance), (count, at) in top
-        )
-        detail = verdict.detail
-        if unattributed:
-            detail = {**detail, "unattributed_pages": unattributed}
-        return replace(
-            verdict,
-            sources=sources,
-            other_sources=len(rest),
-            other_source_pages=int(sum(count for _, (count, _) in rest)),
-            detail=detail,
-        )
-
     def counter_series(self) -> list[list[Any]]:
         series: list[list[Any]] = []
-        for (name, values), amount in list(self.stats.values.items()):
+        for (name, values), amount in list(self._stats.values.items()):
             labels = dict(zip(schema.COUNTER_LABELS[name], values, strict=True))
             series.append([name, labels, amount])
         if self.spool is not None:
@@ -891,7 +654,7 @@ class KVWatch:
             try:
                 self.flush()
             except Exception:  # a snapshot lost now is taken again next interval
-                self.stats.add("hook_errors", (_FLUSH,))
+                self.hook_failed(Hook.FLUSH)
 
     def close(self) -> None:
         """Final snapshot, stop the flush thread, close the spool. Idempotent."""
@@ -904,50 +667,6 @@ class KVWatch:
         self.flush()
         if self.spool is not None:
             self.spool.close()
-
-
-def _stopped(verdicts: list[Verdict], before_read: bool) -> list[Verdict]:
-    """The verdicts, those of a request that enforce mode fails marked
-    ``detail["stopped_before_read"] = 1`` where the check ran ``before_read``: the engine
-    fails the request before it reads, so none of its findings there is a read (a logged
-    finding of another detector in the same check included). Not for a check read after the
-    engine read (a deferred device check at :meth:`KVWatch.resolve`, or an engine that checks
-    after its forward): that request did read, and is named as a reader."""
-    if not before_read:
-        return verdicts
-    failed = {v.instance or v.request_id for v in verdicts if v.blocks}
-    return [
-        replace(v, detail={**v.detail, STOPPED_BEFORE_READ: 1})
-        if not v.ok and (v.instance or v.request_id) in failed
-        else v
-        for v in verdicts
-    ]
-
-
-def _is_reader(ident: tuple[str, str], verdict: Verdict) -> bool:
-    """Whether a page holder is the verdict's reader: the same instance where both have one
-    (a request id may be reused), else the same request id."""
-    request_id, instance = ident
-    if instance and verdict.instance:
-        return instance == verdict.instance[:128]
-    return request_id == verdict.request_id[:128]
-
-
-def _text(value: str) -> str:
-    """An id as the spool takes it: valid UTF-8 (a lone surrogate, which UTF-8 cannot hold, as
-    its escape: the record would be refused whole) and at most 128 characters."""
-    return value.encode("utf-8", "backslashreplace").decode("utf-8")[:128]
-
-
-def _source_record(source: Source) -> dict[str, Any]:
-    record: dict[str, Any] = {
-        "request_id": _text(source.request_id),
-        "pages": source.pages,
-        "written_at": source.written_at,
-    }
-    if source.instance:
-        record["instance"] = _text(source.instance)
-    return record
 
 
 def _close_ref(ref: weakref.ref[KVWatch]) -> None:

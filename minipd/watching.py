@@ -82,13 +82,7 @@ def settle(
 
 def hook_seconds(watch: KVWatch | None) -> dict[str, float]:
     """Time spent in each hook so far (kvwatch's own ``hook_seconds`` counter)."""
-    if watch is None:
-        return {}
-    return {
-        labels[0]: value
-        for (name, labels), value in list(watch.stats.values.items())
-        if name == "hook_seconds"
-    }
+    return {} if watch is None else watch.hook_seconds()
 
 
 def blocked(verdict: Verdict) -> tuple[int, Body]:

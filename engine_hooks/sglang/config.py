@@ -7,15 +7,14 @@ import os
 from dataclasses import dataclass
 
 from engine_hooks.detectors import Mode
+from engine_hooks.scrub import Scrub, parse_scrub
 from engine_hooks.spool import DEFAULT_SPOOL_DIR
-from engine_hooks.watch import Scrub
+from kvspool.catalogue import HOOKED_DETECTORS
 
 logger = logging.getLogger("kvwatch.sglang")
 
 #: Detector names a per-detector override may name: ``KVWATCH_MODE_CANARY=enforce``.
-DETECTORS = ("canary", "checksum", "page_tag", "admission")
-#: ``KVWATCH_SCRUB`` values.
-SCRUB_MODES = tuple(s.value for s in Scrub)
+DETECTORS = HOOKED_DETECTORS
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +57,7 @@ def from_env(environ: dict[str, str] | None = None) -> Settings:
         interval = max(0.1, float(env.get("KVWATCH_FLUSH_INTERVAL", "1.0")))
     except ValueError:
         interval = 1.0
-    scrub = env.get("KVWATCH_SCRUB", "off").strip().lower() or "off"
-    if scrub not in SCRUB_MODES:
-        # One line, and the safe default: a typo must not stop the engine, nor pass unnoticed.
-        logger.error(
-            "kvwatch: KVWATCH_SCRUB=%r is not one of %s; scrub stays off",
-            scrub[:32],
-            "|".join(SCRUB_MODES),
-        )
-        scrub = Scrub.OFF
+    scrub = parse_scrub(env.get("KVWATCH_SCRUB", "off").strip() or "off", "KVWATCH_SCRUB", logger)
     return Settings(
         mode=mode,
         detector_modes=per,
@@ -74,5 +65,5 @@ def from_env(environ: dict[str, str] | None = None) -> Settings:
         flush_interval=interval,
         step_check=env.get("KVWATCH_STEP_CHECK", "1").strip() not in ("0", "false", "no", "off"),
         role=env.get("KVWATCH_ROLE", ""),
-        scrub=Scrub(scrub),
+        scrub=scrub,
     )

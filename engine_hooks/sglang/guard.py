@@ -1,19 +1,23 @@
-"""Hooks never raise into SGLang: a failure inside one is counted and logged once, by type."""
+"""Hooks never raise into SGLang: a failure inside one is counted and logged once, by type.
+
+``@safe(hook)`` is :class:`engine_hooks.guard.Guard` with this plugin's report: the hook returns
+None (BEFORE and AFTER hooks make no changes) or its ``fallback()``.
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from engine_hooks.guard import never_raise
+from engine_hooks.guard import Guard
+from engine_hooks.labels import Hook
 
 logger = logging.getLogger("kvwatch.sglang")
 _reported: set[str] = set()
 
 
-def failed(hook: str, error: BaseException) -> None:
+def failed(hook: Hook, _fn: Callable[..., Any], _args: tuple[Any, ...], error: Exception) -> None:
     """Count a hook failure; log its type once per hook (never its arguments: privacy)."""
     from engine_hooks.sglang.runtime import runtime
 
@@ -21,7 +25,7 @@ def failed(hook: str, error: BaseException) -> None:
         rt = runtime()
         rt.hook_errors += 1
         if rt.all_watches:
-            rt.all_watches[0].stats.add("hook_errors", (hook,))
+            rt.all_watches[0].hook_failed(hook)
     except Exception:  # counting must not stop the log line below
         pass
     if hook not in _reported:
@@ -31,18 +35,4 @@ def failed(hook: str, error: BaseException) -> None:
         )
 
 
-def safe(hook: str) -> Callable[[Callable[..., Any]], Callable[..., None]]:
-    """For BEFORE and AFTER hooks: run, swallow any error, always return None (no changes)."""
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., None]:
-        def run(*args: Any, **kwargs: Any) -> None:
-            fn(*args, **kwargs)
-
-        functools.update_wrapper(run, fn)
-        return never_raise(lambda _fn, _args, error: failed(hook, error), _none)(run)
-
-    return wrap
-
-
-def _none() -> None:
-    return None
+safe = Guard(failed)

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import importlib
 import logging
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-import torch
-
 from engine_hooks.detectors import Mode, Verdict
-from engine_hooks.sglang.guard import failed, safe
+from engine_hooks.labels import Detector, Hook, Skip
+from engine_hooks.sglang.guard import safe
 from engine_hooks.sglang.report import log_verdicts
 from engine_hooks.sglang.runtime import Held, runtime
 from engine_hooks.watch import KVWatch, Ticket
@@ -72,45 +72,58 @@ def _retire(queue: Any, req: Any) -> bool:
     return True
 
 
+@dataclass(slots=True)
+class _Door:
+    """A request at an admission door, as seen before the queue's own ``add``."""
+
+    watch: KVWatch | None  # None: nothing to record after the add
+    aborted: bool = False
+    finished: bool = False
+    instance: str = ""
+    retired: bool = False  # retired at the door: the queue's ``add`` is not called
+
+
 def _admission(
     queue_name: str, reentry: bool, original: Any, queue: Any, req: Any, *a: Any, **k: Any
 ) -> Any:
-    watch: KVWatch | None = None
-    aborted = finished = False
-    instance = ""
-    try:
-        if not reentry:
-            rt = runtime()
-            watch = rt.engine_watch()
-            instance = rt.instance_of(req)
-            aborted, finished = _abort_state(req)
-            enforce = watch.admission.mode is Mode.ENFORCE
-            if aborted and not finished and enforce and not _fixed_release(queue):
-                verdict = watch.on_admission(
-                    str(req.rid), queue_name, aborted=True, finished=False, instance=instance
-                )
-                log_verdicts([verdict])
-                watch = None  # recorded once, here, whether or not the retire below works
-                if _retire(queue, req):
-                    return None
-    except Exception as error:
-        failed("admission", error)
+    door = None if reentry else _enter(queue_name, queue, req)
+    if door is not None and door.retired:
+        return None
     result = original(queue, req, *a, **k)
-    if watch is None:
-        return result
-    try:
-        admitted = not req.finished()
+    if door is not None and door.watch is not None:
+        _entered(door, queue_name, req)
+    return result
+
+
+@safe(Hook.ADMISSION)
+def _enter(queue_name: str, queue: Any, req: Any) -> _Door:
+    rt = runtime()
+    watch = rt.engine_watch()
+    instance = rt.instance_of(req)
+    aborted, finished = _abort_state(req)
+    enforce = watch.modes[Detector.ADMISSION] is Mode.ENFORCE
+    if aborted and not finished and enforce and not _fixed_release(queue):
         verdict = watch.on_admission(
-            str(req.rid),
-            queue_name,
-            aborted=aborted,
-            finished=finished or not admitted,
-            instance=instance,
+            str(req.rid), queue_name, aborted=True, finished=False, instance=instance
         )
         log_verdicts([verdict])
-    except Exception as error:
-        failed("admission", error)
-    return result
+        # Recorded once, here, whether or not the retire below works.
+        return _Door(None, aborted, finished, instance, retired=_retire(queue, req))
+    return _Door(watch, aborted, finished, instance)
+
+
+@safe(Hook.ADMISSION)
+def _entered(door: _Door, queue_name: str, req: Any) -> None:
+    assert door.watch is not None
+    admitted = not req.finished()
+    verdict = door.watch.on_admission(
+        str(req.rid),
+        queue_name,
+        aborted=door.aborted,
+        finished=door.finished or not admitted,
+        instance=door.instance,
+    )
+    log_verdicts([verdict])
 
 
 def _fixed_release(queue: Any) -> bool:
@@ -152,7 +165,7 @@ def _fake_transfer(req: Any) -> bool:
     return False
 
 
-@safe("reserve")
+@safe(Hook.RESERVE)
 def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     """Decode reserved pages for a request that prefill will write: stamp them, keep a ticket."""
     if result is None or getattr(getattr(queue, "scheduler", None), "enable_hisparse", False):
@@ -163,8 +176,8 @@ def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any
     if watch is None or watch.pool is None:
         # Not a paged allocator (page size 1) or an unsupported pool layout: say so in coverage.
         coverage = watch or rt.engine_watch()
-        for detector in ("canary", "page_tag"):
-            coverage.stats.skipped(detector, "no_pool")
+        for detector in (Detector.CANARY, Detector.PAGE_TAG):
+            coverage.skip(detector, Skip.NO_POOL)
         return
     if _fake_transfer(req):
         return
@@ -173,7 +186,7 @@ def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any
     if prefix is None:
         prefix = _arg(args, kwargs, 1, "prefix_len") or 0
     if int(prefix) % page_size:
-        watch.stats.skipped("canary", "unsupported_layout")
+        watch.skip(Detector.CANARY, Skip.UNSUPPORTED_LAYOUT)
         return
     pages = result[::page_size] // page_size
     ticket = watch.on_reserve(str(req.rid), pages, rt.instance_of(req))
@@ -182,30 +195,6 @@ def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any
     # Tags do not travel with SGLang's transfer: the write is recorded at admission
     # (KVWatch.landed), for the pages the transfer really wrote.
     rt.keep_ticket(watch, ticket, int(prefix))
-
-
-def _verify_deferred(watch: KVWatch, ticket: Ticket) -> None:
-    """verify_admit without a device sync: the compares queue up until the next ``resolve()``.
-
-    Uses KVWatch internals; a ``verify_admit(..., defer=True)`` in the public API would be cleaner.
-    """
-    assert watch.canary is not None and watch.tags is not None
-    findings = []
-    if not watch.canary.usable:
-        watch.stats.skipped("canary", "unsupported_layout")
-    elif watch.canary.active():
-        findings.append(
-            watch.canary.check_reserved(
-                ticket.request_id, ticket.pages, ticket.tags, ticket.instance
-            )
-        )
-        watch.stats.verified("canary")
-    if watch.tags.active():
-        owners = [(ticket.request_id, ticket.page_count)]
-        findings.append(watch.tags.compare(owners, ticket.pages, ticket.tags, (ticket.instance,)))
-        watch.stats.verified("page_tag")
-    watch.stats.skipped("checksum", "no_seal")
-    watch._pending.extend(findings)
 
 
 def decode_pages(batch: Any, tickets: dict[int, Held]) -> None:
@@ -236,7 +225,7 @@ def _enforce(req: Any, verdicts: list[Verdict]) -> None:
     )
 
 
-@safe("verify")
+@safe(Hook.VERIFY)
 def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
     """Decode admits the transferred requests: verify their pages before anything reads them."""
     rt = runtime()
@@ -251,7 +240,7 @@ def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
         pool = watch.pool
         on_device = pool is not None and not pool.is_cpu
         if on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):
-            _verify_deferred(watch, ticket)
+            watch.verify_later(ticket)
             continue
         verdicts = watch.verify_admit(ticket, None)
         log_verdicts(verdicts)
@@ -259,40 +248,19 @@ def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _follow_row(held: Held, row: Any) -> None:
-    """Point the ticket at the pages the request's row reads now. A page the engine re-pointed
-    (the tree's copy of the same tokens) joins with its current generation, which its owner,
-    the tree, vouches for; a page left in place keeps the generation it was reserved with."""
+    """Point the ticket at the pages the request's row reads now (:meth:`KVWatch.follow`)."""
     watch, ticket = held.watch, held.ticket
-    state, pool = watch.state, watch.pool
-    if state is None or pool is None or not ticket.page_count:
+    pool = watch.pool
+    if pool is None or not ticket.page_count:
         return
     page_size = pool.page_size
     tokens = row[held.start : held.start + ticket.page_count * page_size : page_size]
     if tokens.numel() != ticket.page_count:
         return
-    pages = state.index(tokens // page_size)
-    fresh = state.generations(pages)
-    if isinstance(pages, torch.Tensor):  # on the device: no sync, one select per step
-        assert isinstance(fresh, torch.Tensor)
-        same = pages == torch.as_tensor(ticket.pages, device=pages.device)
-        tags: Any = torch.where(same, torch.as_tensor(ticket.tags, device=pages.device), fresh)
-        written = pool.tag_store  # a moved page is written for its current generation
-        written[pages] = torch.where(same, written.index_select(0, pages), fresh)
-    else:
-        assert isinstance(fresh, list) and isinstance(ticket.pages, list)
-        assert isinstance(ticket.tags, list)
-        if pages == ticket.pages:
-            return
-        moved = [p for p, q in zip(pages, ticket.pages, strict=True) if p != q]
-        tags = [
-            t if p == q else f
-            for p, q, t, f in zip(pages, ticket.pages, ticket.tags, fresh, strict=True)
-        ]
-        state.own_writes(moved)
-    ticket.repoint(pages, tags)
+    watch.follow(ticket, tokens // page_size)
 
 
-@safe("verify")
+@safe(Hook.VERIFY)
 def after_process_prebuilt(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """After admission: each ticket follows its request's row (see the module docstring)."""
     rt = runtime()
@@ -333,7 +301,7 @@ def check_steps(batch: Any) -> None:
                 _enforce(req, [verdict])
 
 
-@safe("step")
+@safe(Hook.STEP)
 def after_prebuilt_result(result: Any, processor: Any, batch: Any, *a: Any, **k: Any) -> None:
     """Admission's results: a request finished there (one output token, failed in enforce
     mode) never reaches a decode step; its ticket goes with it."""
@@ -344,7 +312,7 @@ def after_prebuilt_result(result: Any, processor: Any, batch: Any, *a: Any, **k:
                 rt.drop_ticket(req)
 
 
-@safe("step")
+@safe(Hook.STEP)
 def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *a: Any, **k: Any) -> None:
     rt = runtime()
     mode = getattr(batch, "forward_mode", None)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from engine_hooks.sglang.guard import failed, safe
+from engine_hooks.labels import Detector, Hook, Kind, Skip
+from engine_hooks.sglang.guard import safe
 from engine_hooks.sglang.runtime import runtime
 from kvspool import schema
 
@@ -69,7 +70,7 @@ def _tp_rank(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
         return None
 
 
-@safe("startup")
+@safe(Hook.STARTUP)
 def before_scheduler_init(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     server_args = kwargs.get("server_args", args[0] if args else None)
     if server_args is not None:
@@ -84,7 +85,7 @@ def report_pool(pool_tokens: int, context_length: int, page_size: int) -> None:
         watch.flush()
 
 
-@safe("startup")
+@safe(Hook.STARTUP)
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     pool = int(getattr(scheduler, "max_total_num_tokens", 0) or 0)
     context = int(getattr(getattr(scheduler, "model_config", None), "context_len", 0) or 0)
@@ -99,40 +100,50 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
 
 
 def around_verify_kv_checksums(original: Any, scheduler: Any, batch: Any, *a: Any, **k: Any) -> Any:
-    pending: list[Any] = []
-    try:
-        if getattr(scheduler, "kv_checksum_computer", None) is None:
-            watch = runtime().engine_watch()
-            for _ in getattr(batch, "reqs", ()):
-                watch.stats.skipped("engine_checksum", "mode_off")
-        else:
-            pending = [r for r in batch.reqs if getattr(r, "expected_kv_checksum", 0)]
-    except Exception as error:
-        failed("verify", error)
+    pending = _checksums_pending(scheduler, batch)
     result = original(scheduler, batch, *a, **k)
     if pending:
-        try:
-            verified = sum(1 for r in pending if not getattr(r, "expected_kv_checksum", 0))
-            runtime().engine_watch().stats.verified("engine_checksum", verified)
-        except Exception as error:
-            failed("verify", error)
+        _checksums_verified(pending)
     return result
 
 
-@safe("verify")
+@safe(Hook.VERIFY, list)
+def _checksums_pending(scheduler: Any, batch: Any) -> list[Any]:
+    """The batch's requests SGLang's checksum will verify (the rest counted as skipped)."""
+    if getattr(scheduler, "kv_checksum_computer", None) is None:
+        watch = runtime().engine_watch()
+        for _ in getattr(batch, "reqs", ()):
+            watch.skip(Detector.ENGINE_CHECKSUM, Skip.MODE_OFF)
+        return []
+    return [r for r in batch.reqs if getattr(r, "expected_kv_checksum", 0)]
+
+
+@safe(Hook.VERIFY)
+def _checksums_verified(pending: list[Any]) -> None:
+    verified = sum(1 for r in pending if not getattr(r, "expected_kv_checksum", 0))
+    runtime().engine_watch().verified(Detector.ENGINE_CHECKSUM, verified)
+
+
+@safe(Hook.VERIFY)
 def before_kv_checksum_mismatch(scheduler: Any, req: Any, msg: Any = "", *a: Any, **k: Any) -> None:
     watch = runtime().engine_watch()
-    watch.stats.mismatch("engine_checksum", "digest")
     # SGLang aborts the request itself (HTTP 500): the mismatch was enforced.
     instance = runtime().instance_of(req)
     detail: dict[str, int | str] = {"source": "sglang"}
-    _event(watch, "engine_checksum", "digest", str(req.rid), detail, "enforced", instance)
+    watch.engine_finding(
+        Detector.ENGINE_CHECKSUM,
+        Kind.DIGEST,
+        str(req.rid),
+        detail,
+        enforced=True,
+        instance=instance,
+    )
 
 
 # -- SGLang's own kv-canary ---------------------------------------------------------------------
 
 
-@safe("verify")
+@safe(Hook.VERIFY)
 def after_format_violation(result: Any, *args: Any, **kwargs: Any) -> None:
     row = kwargs.get("row", args[0] if args else None)
     if row is None or len(row) < 8:
@@ -145,7 +156,6 @@ def after_format_violation(result: Any, *args: Any, **kwargs: Any) -> None:
         tag = reporter.CanaryLaunchTag(int(row[0])).name.lower()
     except ValueError:
         tag = "unknown"
-    watch.stats.mismatch("engine_canary", "other")
     # slot index is a KV location (like a page id); stored/expected tokens are never copied.
     detail: dict[str, int | str] = {
         "source": "sglang",
@@ -153,30 +163,4 @@ def after_format_violation(result: Any, *args: Any, **kwargs: Any) -> None:
         "fail_reason": "+".join(reasons) or "none",
         "slot": int(row[1]),
     }
-    _event(watch, "engine_canary", "other", "", detail, "logged")
-
-
-def _event(
-    watch: Any,
-    detector: str,
-    kind: str,
-    rid: str,
-    detail: dict[str, int | str],
-    action: str,
-    instance: str = "",
-) -> None:
-    if watch.spool is None:
-        return
-    record: dict[str, Any] = {
-        "detector": detector,
-        "kind": kind,
-        "mode": "log",
-        "action": action,
-        "request_id": rid[:128],
-        "pages": [],
-        "pages_total": 0,
-        "detail": detail,
-    }
-    if instance:
-        record["instance"] = instance
-    watch.spool.write(schema.EVENT, record)
+    watch.engine_finding(Detector.ENGINE_CANARY, Kind.OTHER, "", detail, enforced=False)

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from engine_hooks.sglang.guard import failed, safe
+from engine_hooks.labels import Detector, Hook, Skip
+from engine_hooks.sglang.guard import safe
 from engine_hooks.sglang.report import log_verdicts
 from engine_hooks.sglang.runtime import describe_pool, runtime
 from engine_hooks.watch import KVWatch
@@ -47,30 +48,28 @@ def taken_pages(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
 
 def _stamp_all_free(watch: KVWatch, allocator: Any) -> None:
     """The whole free list at once (start-up, ``clear()``): forget old free marks, stamp."""
-    if watch.state is None or watch.pool is None:
-        return
-    watch.state.set_free(watch.state.index(range(watch.pool.num_pages)), False)
-    log_verdicts(watch.on_free(free_page_ids(allocator)))
+    if watch.pool is not None:
+        log_verdicts(watch.free_list(free_page_ids(allocator)))
 
 
-@safe("startup")
+@safe(Hook.STARTUP)
 def after_init(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
     """A paged allocator was built: describe its KV cache, start a watch, stamp the free pages."""
     rt = runtime()
     kvcache = getattr(allocator, "_kvcache", None)
     pool, reason = describe_pool(kvcache, int(allocator.page_size))
     if pool is not None and pool.num_pages < int(allocator.num_pages) + 1:
-        pool, reason = None, "unsupported_layout"
+        pool, reason = None, Skip.UNSUPPORTED_LAYOUT
     watch = rt.new_watch(pool)
     rt.watches[allocator] = watch
     if pool is None:
-        for detector in ("canary", "page_tag"):
-            watch.stats.skipped(detector, reason or "no_pool")
+        for detector in (Detector.CANARY, Detector.PAGE_TAG):
+            watch.skip(detector, reason or Skip.NO_POOL)
         return
     _stamp_all_free(watch, allocator)
 
 
-@safe("free")
+@safe(Hook.FREE)
 def after_clear(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
     """``clear()`` (cache flush) put every page back on the free list at once."""
     watch = runtime().watch_for(allocator)
@@ -80,27 +79,29 @@ def after_clear(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
 
 def around_alloc(original: Any, allocator: Any, *args: Any, **kwargs: Any) -> Any:
     """``alloc``, ``alloc_extend``, ``alloc_decode``: check free canaries, bump tags."""
-    watch = None
-    before = None
-    try:
-        watch = runtime().watch_for(allocator)
-        if watch is not None and watch.pool is not None:
-            before = allocator.free_pages
-    except Exception as error:
-        failed("alloc", error)
+    watch, before = _before_alloc(allocator)
     result = original(allocator, *args, **kwargs)
-    if watch is None or before is None or result is None:
-        return result
-    try:
-        taken = taken_pages(before, allocator.free_pages)
-        if taken.numel():
-            log_verdicts(watch.on_alloc(taken))
-    except Exception as error:
-        failed("alloc", error)
+    if watch is not None and before is not None and result is not None:
+        _after_alloc(watch, allocator, before)
     return result
 
 
-@safe("free")
+@safe(Hook.ALLOC, lambda: (None, None))
+def _before_alloc(allocator: Any) -> tuple[KVWatch | None, torch.Tensor | None]:
+    watch = runtime().watch_for(allocator)
+    if watch is not None and watch.pool is not None:
+        return watch, allocator.free_pages
+    return watch, None
+
+
+@safe(Hook.ALLOC)
+def _after_alloc(watch: KVWatch, allocator: Any, before: torch.Tensor) -> None:
+    taken = taken_pages(before, allocator.free_pages)
+    if taken.numel():
+        log_verdicts(watch.on_alloc(taken))
+
+
+@safe(Hook.FREE)
 def before_release(allocator: Any, *page_ids: Any, **kwargs: Any) -> None:
     """``_release_page_ids``: every free path ends here. Stamp canaries, catch double frees."""
     watch = runtime().watch_for(allocator)

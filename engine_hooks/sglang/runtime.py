@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine_hooks.labels import Skip
 from engine_hooks.pool import Layout, PagedKVPool
 from engine_hooks.sglang.config import Settings, from_env
 from engine_hooks.spool import SpoolWriter
@@ -40,7 +41,7 @@ class Held:
 
 
 @dataclass(slots=True)
-class Context:
+class Process:
     """What the scheduler tells us about this process, before its pool is built."""
 
     role: str = "unified"
@@ -55,7 +56,7 @@ class Runtime:
 
     def __init__(self, settings: Settings, version: str) -> None:
         self.settings = settings
-        self.context = Context(role=settings.role or "unified", version=version)
+        self.context = Process(role=settings.role or "unified", version=version)
         self.watches: weakref.WeakKeyDictionary[Any, KVWatch] = weakref.WeakKeyDictionary()
         self.all_watches: list[KVWatch] = []
         #: Decode tickets by request instance (a request id is not an identity).
@@ -161,7 +162,7 @@ def reset(settings: Settings | None = None, version: str | None = None) -> Runti
 # -- describing SGLang's pools to the hooks --------------------------------------------------
 
 
-def describe_pool(kvcache: Any, page_size: int) -> tuple[PagedKVPool | None, str]:
+def describe_pool(kvcache: Any, page_size: int) -> tuple[PagedKVPool | None, Skip | None]:
     """The allocator's KV cache as a :class:`PagedKVPool`, or ``(None, reason)``.
 
     MHA (``MHATokenToKVPool``: ``k_buffer`` then ``v_buffer``, one ``[slots, heads, dim]`` tensor
@@ -170,7 +171,7 @@ def describe_pool(kvcache: Any, page_size: int) -> tuple[PagedKVPool | None, str
     """
     layout = getattr(kvcache, "kv_cache_layout", "nhd")
     if getattr(kvcache, "use_hnd", False) or layout not in ("nhd", None):
-        return None, "unsupported_layout"
+        return None, Skip.UNSUPPORTED_LAYOUT
     buffers: list[torch.Tensor] | None = None
     k, v = getattr(kvcache, "k_buffer", None), getattr(kvcache, "v_buffer", None)
     if isinstance(k, list | tuple) and isinstance(v, list | tuple) and k:
@@ -180,11 +181,11 @@ def describe_pool(kvcache: Any, page_size: int) -> tuple[PagedKVPool | None, str
         if isinstance(kv, list | tuple) and kv:
             buffers = list(kv)
     if not buffers or not all(isinstance(b, torch.Tensor) for b in buffers):
-        return None, "unsupported_layout"
+        return None, Skip.UNSUPPORTED_LAYOUT
     kv_dtype = getattr(kvcache, "dtype", None)
     if not isinstance(kv_dtype, torch.dtype) or buffers[0].dtype != torch.uint8:
         kv_dtype = None
     try:
-        return PagedKVPool(buffers, page_size, layout=Layout.TOKENS, kv_dtype=kv_dtype), ""
+        return PagedKVPool(buffers, page_size, layout=Layout.TOKENS, kv_dtype=kv_dtype), None
     except (ValueError, RuntimeError, TypeError):
-        return None, "unsupported_layout"
+        return None, Skip.UNSUPPORTED_LAYOUT

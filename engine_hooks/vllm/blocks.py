@@ -15,7 +15,16 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from engine_hooks.guard import Guard
+from engine_hooks.labels import Hook
 from engine_hooks.vllm.metadata import BlockEvent
+
+
+def _failed(_hook: Hook, _fn: Callable[..., Any], args: tuple[Any, ...], _exc: Exception) -> None:
+    args[0].errors += 1  # the connector counts them as hook_errors{alloc}
+
+
+_guard = Guard(_failed)
 
 
 class BlockLedger:
@@ -40,24 +49,26 @@ class BlockLedger:
         @functools.wraps(get_new)
         def get_new_blocks(num_blocks: int) -> list[Any]:
             blocks = get_new(num_blocks)
-            self._guard(self.allocated, blocks)
+            self._allocated(blocks)
             return blocks
 
         @functools.wraps(free)
         def free_blocks(ordered_blocks: Iterable[Any]) -> None:
             blocks = list(ordered_blocks)
             free(blocks)
-            self._guard(self.freed, blocks)
+            self._freed(blocks)
 
         pool.get_new_blocks = get_new_blocks
         pool.free_blocks = free_blocks
         pool._kvwatch_ledger = self
 
-    def _guard(self, fn: Callable[[list[Any]], None], blocks: list[Any]) -> None:
-        try:
-            fn(blocks)
-        except Exception:
-            self.errors += 1
+    @_guard(Hook.ALLOC)
+    def _allocated(self, blocks: list[Any]) -> None:
+        self.allocated(blocks)
+
+    @_guard(Hook.ALLOC)
+    def _freed(self, blocks: list[Any]) -> None:
+        self.freed(blocks)
 
     def allocated(self, blocks: list[Any]) -> None:
         ids = [b.block_id for b in blocks]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,7 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch, Scrub
-from engine_hooks.guard import never_raise
+from engine_hooks.guard import Guard
+from engine_hooks.labels import Detector, Hook, Skip
+from engine_hooks.scrub import parse_scrub
 from engine_hooks.vllm.layout import kv_pool
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
@@ -42,22 +44,14 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("kvwatch.vllm")
-F = TypeVar("F", bound=Callable[..., Any])
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "unified"}
 
 
-def _guard(hook: str, default: Callable[[], Any]) -> Callable[[F], F]:
-    def failed(method: Callable[..., Any], args: tuple[Any, ...], exc: Exception) -> None:
-        args[0].hook_failed(hook, method.__name__, exc)
-
-    def wrap(method: F) -> F:
-        return cast(F, never_raise(failed, default)(method))
-
-    return wrap
+def _failed(hook: Hook, method: Callable[..., Any], args: tuple[Any, ...], exc: Exception) -> None:
+    args[0].hook_failed(hook, method.__name__, exc)
 
 
-def _none() -> None:
-    return None
+_guard = Guard(_failed)
 
 
 def _vllm_version() -> str:
@@ -84,7 +78,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         spool = extra.get("spool", DEFAULT_SPOOL_DIR)
         self.spool_dir: str | None = str(spool) if spool else None
         self.mode: Any = extra.get("mode", "log")
-        self.scrub = _scrub(extra.get("scrub", Scrub.OFF))
+        self.scrub = parse_scrub(extra.get("scrub", Scrub.OFF), "scrub", logger)
         self.resolve_interval = float(extra.get("resolve_interval_s", 1.0))
         self.rank = _tp_rank(vllm_config)
         groups = kv_cache_config.kv_cache_groups
@@ -115,50 +109,46 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
             scrub=self.scrub,
         )
 
+    @_guard(Hook.STARTUP)
     def _start_scheduler(self, model_config: Any) -> None:
-        try:
-            self.watch = self._new_watch(None)
-            parallel = getattr(self._vllm_config, "parallel_config", None)
-            tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-            self.scheduler = SchedulerSide(self.num_blocks, self.block_size, tp_size)
-            max_len = getattr(model_config, "max_model_len", None)
-            if max_len and self.block_size:
-                # Block 0 is the null block: the pool holds num_blocks - 1 usable blocks.
-                pool_tokens = (self.num_blocks - 1) * self.block_size
-                self.watch.report_pool(pool_tokens, int(max_len), self.block_size)
-        except Exception as exc:
-            self.hook_failed("startup", "__init__", exc)
+        self.watch = self._new_watch(None)
+        parallel = getattr(self._vllm_config, "parallel_config", None)
+        tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        self.scheduler = SchedulerSide(self.num_blocks, self.block_size, tp_size)
+        max_len = getattr(model_config, "max_model_len", None)
+        if max_len and self.block_size:
+            # Block 0 is the null block: the pool holds num_blocks - 1 usable blocks.
+            pool_tokens = (self.num_blocks - 1) * self.block_size
+            self.watch.report_pool(pool_tokens, int(max_len), self.block_size)
 
-    def hook_failed(self, hook: str, name: str, exc: BaseException | None = None) -> None:
+    def hook_failed(self, hook: Hook, name: str, exc: BaseException | None = None) -> None:
         # The exception's type only: its message could quote request contents.
         kind = type(exc).__name__ if exc is not None else "error"
         logger.warning("kvwatch: %s failed (%s); the engine goes on", name, kind)
         if self.watch is not None:
-            self.watch.stats.add("hook_errors", (hook,))
+            self.watch.hook_failed(hook)
 
     # -- worker side ----------------------------------------------------------------------------
 
-    @_guard("startup", _none)
+    @_guard(Hook.STARTUP)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pool = None
         if self.single_group and self.block_size:
             pool = kv_pool(kv_caches, self.num_blocks, self.block_size, self.kv_dtype)
         self.watch = self._new_watch(pool)
         if pool is None:
-            for detector in ("canary", "checksum", "page_tag"):
-                self.watch.stats.skipped(detector, "unsupported_layout")
+            for detector in (Detector.CANARY, Detector.CHECKSUM, Detector.PAGE_TAG):
+                self.watch.skip(detector, Skip.UNSUPPORTED_LAYOUT)
             return
         self.worker = WorkerSide(self.watch, pool, self.rank, self.resolve_interval)
 
+    @_guard(Hook.VERIFY)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The one worker hook that vLLM's model runners call before the forward in every step
         # (start_load_kv runs after it when no load is synchronous): see worker.py.
-        try:
-            super().bind_connector_metadata(connector_metadata)
-            if self.worker is not None and isinstance(connector_metadata, KVWatchMetadata):
-                self.worker.bind(connector_metadata)
-        except Exception as exc:
-            self.hook_failed("verify", "bind_connector_metadata", exc)
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KVWatchMetadata):
+            self.worker.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return  # kvwatch loads nothing; its pre-forward work is in bind_connector_metadata
@@ -171,27 +161,27 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         return
 
-    @_guard("seal", _none)
+    @_guard(Hook.SEAL)
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.save()
 
-    @_guard("verify", set)
+    @_guard(Hook.VERIFY, set)
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
-    @_guard("seal", _none)
+    @_guard(Hook.SEAL)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.worker_meta() if self.worker is not None else None
 
-    @_guard("startup", _none)
+    @_guard(Hook.STARTUP)
     def shutdown(self) -> None:
         if self.watch is not None:
             self.watch.close()
 
     # -- scheduler side -------------------------------------------------------------------------
 
-    @_guard("startup", _none)
+    @_guard(Hook.STARTUP)
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         if self.scheduler is not None:
             self.scheduler.ledger.attach(gpu_block_pool)
@@ -201,34 +191,33 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         # MultiConnector asks every child, with the tokens decode's own prefix cache holds: the
         # KV from another engine starts there.
-        try:
-            if self.scheduler is not None:
-                self.scheduler.local_hit(request, num_computed_tokens)
-        except Exception as exc:
-            self.hook_failed("reserve", "get_num_new_matched_tokens", exc)
+        self._local_hit(request, num_computed_tokens)
         return 0, False
 
-    @_guard("reserve", _none)
+    @_guard(Hook.RESERVE)
+    def _local_hit(self, request: Any, num_computed_tokens: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.local_hit(request, num_computed_tokens)
+
+    @_guard(Hook.RESERVE)
     def on_new_request(self, request: Any) -> None:
         if self.scheduler is not None:
             self.scheduler.on_new_request(request)
 
-    @_guard("reserve", _none)
+    @_guard(Hook.RESERVE)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.scheduler is not None:
             self.scheduler.update_state_after_alloc(request, blocks)
 
+    @_guard(Hook.SEAL, KVWatchMetadata)
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        try:
-            if self.scheduler is not None:
-                meta = self.scheduler.build(scheduler_output)
-                self._count_skips()
-                return meta
-        except Exception as exc:
-            self.hook_failed("seal", "build_connector_meta", exc)
-        return KVWatchMetadata()
+        if self.scheduler is None:
+            return KVWatchMetadata()
+        meta = self.scheduler.build(scheduler_output)
+        self._count_skips()
+        return meta
 
-    @_guard("seal", _none)
+    @_guard(Hook.SEAL)
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler is not None:
             self.scheduler.update_connector_output(connector_output)
@@ -243,7 +232,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return False, self._finished(request, block_ids)
 
-    @_guard("seal", _none)
+    @_guard(Hook.SEAL)
     def _finished(self, request: Any, block_ids: tuple[list[int], ...]) -> dict[str, Any] | None:
         if self.scheduler is None:
             return None
@@ -253,9 +242,9 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None and self.watch is not None
         skips, self.scheduler.skips = self.scheduler.skips, []
         for reason in skips:
-            self.watch.stats.skipped("checksum", reason)
+            self.watch.skip(Detector.CHECKSUM, reason)
         if self.scheduler.ledger.errors:
-            self.watch.stats.add("hook_errors", ("alloc",), self.scheduler.ledger.errors)
+            self.watch.hook_failed(Hook.ALLOC, self.scheduler.ledger.errors)
             self.scheduler.ledger.errors = 0
 
     # -- what vLLM asks of every connector ------------------------------------------------------
@@ -271,18 +260,6 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         return True  # kvwatch has no external hits to complete (all())
 
     # get_required_kvcache_layout: the base class's None (kvwatch reads any block-dense layout).
-
-
-def _scrub(value: Any) -> Scrub:
-    """The ``scrub`` extra-config key; any other value than off, on_free or on_reserve is one
-    error line and scrub off (a typo must neither stop the engine nor pass unnoticed)."""
-    text = str(value).strip().lower()
-    try:
-        return Scrub(text)
-    except ValueError:
-        choices = "|".join(s.value for s in Scrub)
-        logger.error("kvwatch: scrub=%r is not one of %s; scrub stays off", text[:32], choices)
-        return Scrub.OFF
 
 
 def _tp_rank(vllm_config: Any) -> int:

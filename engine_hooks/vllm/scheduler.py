@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_hooks.labels import Skip
 from engine_hooks.vllm.blocks import BlockLedger
 from engine_hooks.vllm.metadata import (
     PARAMS_KEY,
@@ -97,7 +98,7 @@ class SchedulerSide:
         self.reserve_jobs: list[ReserveJob] = []
         self.verify: list[VerifyJob] = []
         self.release: list[str] = []
-        self.skips: list[str] = []  # reasons, drained into counters by the connector
+        self.skips: list[Skip] = []  # reasons, drained into counters by the connector
         # Every scheduled request's blocks, and how many of them its forward already wrote
         # (the blocks past that are the ones a step's WriteJob names).
         self.blocks_of: dict[str, list[int]] = {}
@@ -120,11 +121,11 @@ class SchedulerSide:
                 consumer.seals = {str(k): dict(v) for k, v in wire["seals"].items()}
                 consumer.sealed_blocks = int(wire.get("blocks", 0))
                 if wire.get("v") != WIRE_VERSION:
-                    consumer.reason = "other"  # a prefill kvwatch of another wire version
+                    consumer.reason = Skip.OTHER  # a prefill kvwatch of another wire version
                 elif wire.get("tp") != self.tp_size:
-                    consumer.reason = "other"  # each rank sealed its own shard of the heads
+                    consumer.reason = Skip.OTHER  # each rank sealed its own shard of the heads
                 elif wire.get("block_size") != self.block_size:
-                    consumer.reason = "unsupported_layout"
+                    consumer.reason = Skip.UNSUPPORTED_LAYOUT
             self.consumers[rid] = consumer
 
     def local_hit(self, request: Any, num_computed_tokens: int) -> None:
@@ -139,7 +140,7 @@ class SchedulerSide:
         consumer.reserved = True
         groups = blocks.blocks
         if len(groups) != 1:
-            self.skips.append("unsupported_layout")
+            self.skips.append(Skip.UNSUPPORTED_LAYOUT)
             return
         # Past decode's own prefix hits, every block is for KV from elsewhere or this engine's
         # forward; a synchronous load has already hashed the blocks it will fill.
@@ -149,7 +150,7 @@ class SchedulerSide:
             return
         reason = consumer.reason
         if consumer.seals is None:
-            reason = "no_seal"
+            reason = Skip.NO_SEAL
         self.reserve_jobs.append(
             ReserveJob(
                 request.request_id,
@@ -256,7 +257,7 @@ class SchedulerSide:
             # The blocks NIXL hands over are not the ones sealed (hybrid groups, or a prompt
             # that never completed here): send no seal rather than a wrong one.
             self.arrived.pop(rid, None)
-            self.skips.append("no_seal")
+            self.skips.append(Skip.NO_SEAL)
             return wire_slot(slot)
         slot["blocks"] = len(producer.sealed)
         seals = self.arrived.pop(rid, None)

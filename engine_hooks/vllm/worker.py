@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine_hooks import KVWatch, PagedKVPool, Seal, Ticket, Verdict
+from engine_hooks.labels import Detector, Skip
+from engine_hooks.tickets import new_instance
 from engine_hooks.vllm.metadata import KVWatchMetadata, KVWatchWorkerMetadata, ReserveJob, VerifyJob
-from engine_hooks.watch import new_instance
 
 
 @dataclass(slots=True)
@@ -129,16 +130,16 @@ class WorkerSide:
         """The seal of the blocks the transport delivered: the sealed blocks from decode's own
         prefix hits on, as many as were loaded."""
         if job.reason:
-            if job.reason != "no_seal":  # verify_admit counts no_seal itself
-                self.watch.stats.skipped("checksum", job.reason)
+            if job.reason != Skip.NO_SEAL:  # verify_admit counts no_seal itself
+                self.watch.skip(Detector.CHECKSUM, Skip(job.reason))
             return None
         wire = (job.seals or {}).get(self.rank)
         if wire is None:
-            self.watch.stats.skipped("checksum", "other")  # no seal from this rank's peer
+            self.watch.skip(Detector.CHECKSUM, Skip.OTHER)  # no seal from this rank's peer
             return None
         if wire.get("page_bytes") != self.pool.page_bytes:
             # Prefill's pages are laid out or typed differently: its digest cannot match.
-            self.watch.stats.skipped("checksum", "unsupported_layout")
+            self.watch.skip(Detector.CHECKSUM, Skip.UNSUPPORTED_LAYOUT)
             return None
         seal = Seal.from_wire(wire)
         if job.block_ids and count == len(job.block_ids):
@@ -161,10 +162,7 @@ class WorkerSide:
         self._resolve()
 
     def _seal(self, block_ids: list[int]) -> Seal | None:
-        checksum = self.watch.checksum
-        if checksum is None or not checksum.active():
-            return None
-        return checksum.seal_pages(block_ids)
+        return self.watch.seal_pages(block_ids)
 
     def _resolve(self) -> None:
         now = time.monotonic()

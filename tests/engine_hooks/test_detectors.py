@@ -86,7 +86,7 @@ def test_late_write_into_free_page_is_logged_not_enforced() -> None:
 def test_per_page_seal_checks_any_run_and_names_the_bad_page(pair: Pair) -> None:
     dst, ticket = pair.reserve("runs", 5)
     pair.prefill_write("runs", dst, ticket)
-    checksum = pair.decode.checksum
+    checksum = pair.decode._checksum
     assert checksum is not None
     seal = checksum.seal_pages(dst)
     assert Seal.from_wire(seal.to_wire()) == seal
@@ -153,7 +153,7 @@ def test_admission_invariant(pair: Pair) -> None:
         "aborted_admitted",
         "bad",
     )
-    assert pair.prefill.stats.get("aborted_admissions", "prefill_bootstrap") == 1
+    assert pair.prefill.counter("aborted_admissions", "prefill_bootstrap") == 1
 
 
 def test_pool_versus_context() -> None:
@@ -178,8 +178,8 @@ def test_enforce_blocks_and_off_skips() -> None:
     _, seal = off.prefill_write("r", dst, ticket, written=1)
     assert off.decode.verify_admit(ticket, seal) == []
     for detector in ("canary", "checksum", "page_tag"):
-        assert off.decode.stats.get("verifications_skipped", detector, "mode_off") >= 1
-        assert off.decode.stats.get("verifications", detector) == 0
+        assert off.decode.counter("verifications_skipped", detector, "mode_off") >= 1
+        assert off.decode.counter("verifications", detector) == 0
 
 
 def test_per_detector_modes() -> None:
@@ -195,7 +195,7 @@ def test_missing_seal_is_a_counted_skip() -> None:
     dst, ticket = pair.reserve("r", 2)
     pair.prefill_write("r", dst, ticket)
     assert pair.decode.verify_admit(ticket, None) == []
-    assert pair.decode.stats.get("verifications_skipped", "checksum", "no_seal") == 1
+    assert pair.decode.counter("verifications_skipped", "checksum", "no_seal") == 1
 
 
 def test_hooks_never_raise_into_the_engine() -> None:
@@ -203,9 +203,9 @@ def test_hooks_never_raise_into_the_engine() -> None:
     assert pair.decode.on_alloc([10_000], "bad") == []  # a page id outside the pool
     assert pair.decode.seal("bad", [-5]) is None
     assert pair.decode.verify_admit(None, Seal(1, 1)) == []
-    assert pair.decode.stats.get("hook_errors", "alloc") == 1
-    assert pair.decode.stats.get("hook_errors", "seal") == 1
-    assert pair.decode.stats.get("verifications_skipped", "canary", "hook_error") == 1
+    assert pair.decode.counter("hook_errors", "alloc") == 1
+    assert pair.decode.counter("hook_errors", "seal") == 1
+    assert pair.decode.counter("verifications_skipped", "canary", "hook_error") == 1
 
 
 def test_clean_traffic_has_no_false_positives() -> None:
@@ -228,7 +228,7 @@ def test_clean_traffic_has_no_false_positives() -> None:
             if len(live) > 4:
                 pages, _ = live.pop(0)
                 assert pair.free("decode", pages) == []
-        mismatches = [k for k in pair.decode.stats.values if k[0] == "mismatches"]
+        mismatches = [k for k in pair.decode._stats.values if k[0] == "mismatches"]
         assert mismatches == []
     assert verified_pages >= 100_000
 
@@ -297,7 +297,7 @@ def test_page_reallocated_and_written_names_the_new_owner_never_the_reader(pair:
     thief = pair.decode.on_reserve("thief", [dst[1]])
     assert thief is not None
     pair.prefill_write("thief", [dst[1]], thief)
-    pair.decode._reported.clear()  # report again: once per instance, detector and kind
+    pair.decode._reporter._reported.clear()  # report again: once per instance, detector and kind
     (after,) = pair.decode.check_step(ticket)
     assert named(after) == {"thief": 1}
 
@@ -343,7 +343,7 @@ def test_the_top_sixteen_sources_are_named_and_the_rest_counted() -> None:
 
 def test_a_forgotten_writer_is_unattributed_never_misnamed() -> None:
     pair = Pair.build("mha", torch.bfloat16)
-    pair.decode.requests.limit = 2  # remember two requests only
+    pair.decode._requests.limit = 2  # remember two requests only
     pages, _, _ = pair.clean_request("early", 2)
     pair.free("decode", pages)
     for i in range(3):  # later requests push "early" out of the table
@@ -422,9 +422,7 @@ def test_late_writer_read_later_is_named_by_the_tags_at_allocation() -> None:
     decode = pair.decode
     assert decode.pool is not None
     device = DevicePages(decode.pool)
-    decode.state = device
-    assert decode.tags is not None and decode.canary is not None
-    decode.tags.state = decode.canary.state = device
+    decode._use_state(device)
     decode._on_device = True
     decode.on_free(list(range(decode.pool.num_pages)))
     pages, ticket, _ = pair.clean_request("aborted", 2)

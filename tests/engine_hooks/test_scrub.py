@@ -153,5 +153,5 @@ def test_scrub_runs_with_every_detector_off(scrub: Scrub) -> None:
     pair.free("decode", pages)
     pair.take(pages, "reader")
     assert others_data(pair, pages) == []
-    assert isinstance(pair.decode.state, HostPages)
-    assert pair.decode.state.sources(pages)[0] == [NOBODY] * len(pages)
+    assert isinstance(pair.decode._state, HostPages)
+    assert pair.decode._state.sources(pages)[0] == [NOBODY] * len(pages)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_hooks import KVWatch, Mode, watch
+from engine_hooks import KVWatch, watch
 from engine_hooks.detectors import Admission, Canary, PageTags, TransferChecksum
 from engine_hooks.pagestate import DevicePages
 from engine_hooks.testing import read_spool
@@ -106,8 +106,8 @@ def test_extended_tickets_are_checked_every_step_on_every_page() -> None:
     watch = pair.decode
     first, ticket = pair.reserve("grows", 100)  # over _VECTOR_PAGES: the tensor path
     _, other = pair.reserve("other", 3)
-    watch.state.own_writes(ticket.pages)  # type: ignore[union-attr]
-    watch.state.own_writes(other.pages)  # type: ignore[union-attr]
+    watch._state.own_writes(ticket.pages)  # type: ignore[union-attr]
+    watch._state.own_writes(other.pages)  # type: ignore[union-attr]
     added: list[int] = []
     for _ in range(80):  # past the cached buffer's room: appended in place, then rebuilt
         pages, verdicts = pair.alloc("decode", 1, "grows")
@@ -173,9 +173,7 @@ def _watch(mode: str, device_backend: bool) -> KVWatch:
     w = KVWatch(make_pool("mha", torch.bfloat16, 12), role="decode", engine="minipd", mode=mode)
     assert w.pool is not None
     if device_backend:  # the accelerator backend, run on CPU tensors
-        w.state = DevicePages(w.pool, kernel=False)
-        w.tags = type(w.tags)(w.state, w.stats, Mode(mode)) if w.tags else None
-        w.canary = type(w.canary)(w.pool, w.state, w.stats, Mode(mode)) if w.canary else None
+        w._use_state(DevicePages(w.pool, kernel=False))
     w.on_free(range(12))
     return w
 
@@ -184,25 +182,25 @@ def _watch(mode: str, device_backend: bool) -> KVWatch:
 def test_landed_marks_only_the_pages_the_transfer_wrote(device_backend: bool) -> None:
     """A transfer that carries no tags marks written exactly the pages it wrote."""
     w = _watch("log", device_backend)
-    assert w.pool is not None and w.state is not None
+    assert w.pool is not None and w._state is not None
     w.on_alloc([2, 3, 4, 5])
     ticket = w.on_reserve("reader", [2, 3, 4, 5])
     assert ticket is not None
     fill(w.pool, [2, 4], random.Random(1))  # the transfer wrote two of the four pages
     w.landed(ticket)
-    stale = [bool(b) for b in w.state.stale(ticket.pages, ticket.tags)]
+    stale = [bool(b) for b in w._state.stale(ticket.pages, ticket.tags)]
     assert stale == [False, True, False, True]
 
 
 @pytest.mark.parametrize("device_backend", [False, True], ids=["host", "device"])
 def test_landed_without_a_canary_counts_every_page_written(device_backend: bool) -> None:
     w = _watch("off", device_backend)
-    assert w.state is not None
+    assert w._state is not None
     w.on_alloc([2, 3])
     ticket = w.on_reserve("reader", [2, 3])
     assert ticket is not None
     w.landed(ticket)  # the canary cannot tell: the transfer is taken at its word
-    assert [bool(b) for b in w.state.stale(ticket.pages, ticket.tags)] == [False, False]
+    assert [bool(b) for b in w._state.stale(ticket.pages, ticket.tags)] == [False, False]
 
 
 @pytest.mark.parametrize("device_backend", [False, True], ids=["host", "device"])
@@ -210,16 +208,16 @@ def test_wrote_marks_the_pages_written_by_their_request(device_backend: bool) ->
     """An engine's own forward writes: the pages are written for their current generation and
     name the writer (request and instance) as their holder."""
     w = _watch("log", device_backend)
-    assert w.state is not None
+    assert w._state is not None
     w.on_alloc([2, 3])
-    index = w.state.index([2, 3])
-    gens = w.state.generations(index)
-    assert [bool(b) for b in w.state.stale(index, gens)] == [True, True]
+    index = w._state.index([2, 3])
+    gens = w._state.generations(index)
+    assert [bool(b) for b in w._state.stale(index, gens)] == [True, True]
     w.wrote("writer", [2, 3], "writer-1")
     w.wrote("writer", [])  # nothing written: nothing recorded
-    assert [bool(b) for b in w.state.stale(index, gens)] == [False, False]
-    keys, _ = w.state.sources(index)
-    assert [w.requests.get(k) for k in keys] == [("writer", "writer-1")] * 2
+    assert [bool(b) for b in w._state.stale(index, gens)] == [False, False]
+    keys, _ = w._state.sources(index)
+    assert [w._requests.get(k) for k in keys] == [("writer", "writer-1")] * 2
 
 
 def test_wrote_and_landed_never_raise_and_are_timed() -> None:
@@ -228,11 +226,11 @@ def test_wrote_and_landed_never_raise_and_are_timed() -> None:
     assert ticket is not None
     w.wrote("writer", [99])  # no such page
     w.landed(watch.Ticket("reader", [99], [1]))
-    assert w.stats.get("hook_errors", "wrote") == 1
-    assert w.stats.get("hook_errors", "landed") == 1
+    assert w.counter("hook_errors", "wrote") == 1
+    assert w.counter("hook_errors", "landed") == 1
     w.landed(ticket)
-    assert w.stats.get("hook_seconds", "landed") > 0
-    assert w.stats.get("hook_seconds", "wrote") > 0
+    assert w.counter("hook_seconds", "landed") > 0
+    assert w.counter("hook_seconds", "wrote") > 0
 
 
 def test_a_mismatch_writes_its_counters_at_once_not_a_flush_interval_later(tmp_path: Path) -> None:

@@ -20,17 +20,17 @@ def test_allocator_gets_a_watch_over_the_pool(kv: Any, pool: Any) -> None:
     watch = kv.watch_for(alloc)
     assert watch is not None and watch.pool is not None
     assert watch.pool.num_pages == alloc.num_pages + 1  # SGLang's padded page 0
-    assert watch.canary is not None and watch.canary.usable
-    assert watch.state is not None
+    assert watch._canary is not None and watch._canary.usable
+    assert watch._state is not None
     # Every free page carries a free stamp from the start.
-    assert all(watch.state.was_free(list(range(1, alloc.num_pages + 1))))
+    assert all(watch._state.was_free(list(range(1, alloc.num_pages + 1))))
 
 
 def test_alloc_paths_and_release_bump_tags(kv: Any, pool: Any) -> None:
     alloc = sgl.allocator(pool)
     # Before v0.5.22, alloc_extend/alloc_decode run Triton kernels only, which need a GPU.
     sgl.needs("0.5.22", sgl.extend_on_cpu(alloc), "a torch alloc_extend/alloc_decode off CUDA")
-    state = kv.watch_for(alloc).state
+    state = kv.watch_for(alloc)._state
     first = sgl.pages_of(alloc.alloc(8))
     assert len(first) == 2
     assert state.generations(first) == [1, 1]
@@ -94,7 +94,7 @@ def test_staged_free_pages_merge_path(kv: Any, pool: Any) -> None:
     """need_sort (PD mode): frees are staged and merged, sorted, when the free list runs short;
     the pages an allocation took are still the ones tagged."""
     alloc = sgl.allocator(pool, need_sort=True)
-    state = kv.watch_for(alloc).state
+    state = kv.watch_for(alloc)._state
     everything = sgl.pages_of(alloc.alloc(sgl.SIZE))
     assert len(everything) == alloc.num_pages
     alloc.free(alloc_token(everything[8:]))
@@ -113,7 +113,7 @@ def test_fp8_pool_stored_as_uint8(kv: Any) -> None:
     assert pool.k_buffer[0].dtype == torch.uint8
     alloc = sgl.allocator(pool)
     watch = kv.watch_for(alloc)
-    assert watch.pool.kv_dtype == torch.float8_e4m3fn and watch.canary.usable
+    assert watch.pool.kv_dtype == torch.float8_e4m3fn and watch._canary.usable
     pages = sgl.pages_of(alloc.alloc(4))
     alloc.free(alloc_token(pages))
     for buf in sgl.buffers(pool):

@@ -248,7 +248,7 @@ class Node:
 
     def stat(self, *key: str) -> float:
         watch = self.child("worker").watch
-        return float(watch.stats.get(*key))
+        return float(watch.counter(*key))
 
     def blocks(self, rid: str) -> list[int]:
         (ids,) = self.scheduler.kv_cache_manager.get_block_ids(rid)

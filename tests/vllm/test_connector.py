@@ -152,8 +152,8 @@ def test_hooks_never_raise_into_the_engine(tmp_path: Path, model: str) -> None:
     sched.bind_connector_metadata(object())
     work.bind_connector_metadata(object())  # not kvwatch metadata: ignored
     work.start_load_kv(None)
-    assert sched.watch.stats.get("hook_errors", "reserve") >= 1
-    assert sched.watch.stats.get("hook_errors", "seal") >= 1
+    assert sched.watch.counter("hook_errors", "reserve") >= 1
+    assert sched.watch.counter("hook_errors", "seal") >= 1
 
 
 def test_block_outermost_layout(tmp_path: Path, model: str) -> None:
@@ -179,4 +179,4 @@ def test_unsupported_layout_is_counted_not_guessed(tmp_path: Path, model: str) -
     )
     work = node.child("worker")
     assert work.worker is None
-    assert work.watch.stats.get("verifications_skipped", "checksum", "unsupported_layout")
+    assert work.watch.counter("verifications_skipped", "checksum", "unsupported_layout")

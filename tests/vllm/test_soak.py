@@ -53,7 +53,7 @@ def test_clean_soak(tmp_path: Path, model: str, runner: str, transport: str, req
     verdicts = p.prefill.kvwatch.verdicts + p.decode.kvwatch.verdicts
     assert verdicts == []
     for node in (p.prefill, p.decode):
-        stats = node.child("worker").watch.stats
+        stats = node.child("worker").watch._stats
         bad = [key for key in stats.values if key[0] in ("mismatches", "hook_errors")]
         assert bad == []
     served = [o for o in p.decode.finished.values() if o.finish_reason == FinishReason.LENGTH]

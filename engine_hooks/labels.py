@@ -1,0 +1,74 @@
+"""The catalogue's labels as enums, for the hooks and the adapters: no label is a bare string.
+
+Each enum lists the values of one label of :mod:`kvspool.catalogue`; at import every member is
+checked against the catalogue (a misspelt one is a ``ValueError`` here, never a counter under
+``other``), and ``tests/engine_hooks/test_labels.py`` checks that each enum holds every value the
+catalogue has, so neither can drift from the other.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from kvspool.catalogue import DETECTOR, HOOK, KIND, OTHER, SKIP_REASON, Label
+
+
+class Detector(StrEnum):
+    CANARY = "canary"
+    CHECKSUM = "checksum"
+    PAGE_TAG = "page_tag"
+    ADMISSION = "admission"
+    ENGINE_CANARY = "engine_canary"
+    ENGINE_CHECKSUM = "engine_checksum"
+
+
+class Skip(StrEnum):
+    """Why a detector did not verify a request (``verifications_skipped{reason}``)."""
+
+    MODE_OFF = "mode_off"
+    UNSUPPORTED_LAYOUT = "unsupported_layout"
+    NO_SEAL = "no_seal"
+    NO_POOL = "no_pool"
+    HOOK_ERROR = "hook_error"
+    OTHER = OTHER
+
+
+class Hook(StrEnum):
+    ALLOC = "alloc"
+    FREE = "free"
+    RESERVE = "reserve"
+    SEAL = "seal"
+    VERIFY = "verify"
+    STEP = "step"
+    LANDED = "landed"
+    WROTE = "wrote"
+    RESOLVE = "resolve"
+    ADMISSION = "admission"
+    STARTUP = "startup"
+    FLUSH = "flush"
+
+
+class Kind(StrEnum):
+    """What a mismatch found (``mismatches{kind}``)."""
+
+    UNWRITTEN_PAGE = "unwritten_page"
+    WRITE_TO_FREE_PAGE = "write_to_free_page"
+    DIGEST = "digest"
+    PAGE_COUNT = "page_count"
+    STALE_TAG = "stale_tag"
+    DOUBLE_FREE = "double_free"
+    ABORTED_ADMITTED = "aborted_admitted"
+    OTHER = OTHER
+
+
+#: Each enum and the catalogue label it names.
+LABELS: dict[type[StrEnum], Label] = {
+    Detector: DETECTOR,
+    Skip: SKIP_REASON,
+    Hook: HOOK,
+    Kind: KIND,
+}
+for _enum, _label in LABELS.items():
+    for _member in _enum:
+        if _member.value not in _label.values:
+            raise ValueError(f"{_member.value!r} is not a catalogued {_label.name}")
