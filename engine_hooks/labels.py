@@ -61,14 +61,19 @@ class Kind(StrEnum):
     OTHER = OTHER
 
 
-#: Each enum and the catalogue label it names.
+def catalogued(enum: type[StrEnum], label: Label) -> type[StrEnum]:
+    """``enum``, each of whose values ``label`` catalogues; a ``ValueError`` naming the first
+    that it does not."""
+    for member in enum:
+        if member.value not in label.values:
+            raise ValueError(f"{member.value!r} is not a catalogued {label.name}")
+    return enum
+
+
+#: Each enum and the catalogue label it names (checked here, at import).
 LABELS: dict[type[StrEnum], Label] = {
-    Detector: DETECTOR,
-    Skip: SKIP_REASON,
-    Hook: HOOK,
-    Kind: KIND,
+    catalogued(Detector, DETECTOR): DETECTOR,
+    catalogued(Skip, SKIP_REASON): SKIP_REASON,
+    catalogued(Hook, HOOK): HOOK,
+    catalogued(Kind, KIND): KIND,
 }
-for _enum, _label in LABELS.items():
-    for _member in _enum:
-        if _member.value not in _label.values:
-            raise ValueError(f"{_member.value!r} is not a catalogued {_label.name}")

@@ -1,5 +1,9 @@
 """Per-page state behind the canary and page-tag detectors, in two backends.
 
+(Over 450 lines: the two backends of one protocol stay side by side, method beside method, so
+that a change to one is made and reviewed beside the other; the tests check them against each
+other.)
+
 ``DevicePages`` keeps everything in tensors on the pool's device: every operation is a few
 kernels and nothing waits for the device; results come back as bool tensors that the engine
 reads at its own sync points. ``HostPages`` does the same for a pool in host memory with Python
@@ -72,6 +76,7 @@ class PageState(Protocol):
     ) -> tuple[list[int], list[float]]: ...
     def written_tags(self, pages: Ints) -> Ints: ...
     def land(self, pages: Ints, gens: Ints, unwritten: Mask | None = None) -> None: ...
+    def repoint(self, pages: Ints, kept: Ints, tags: Ints) -> Ints | None: ...
     def scrub(self, pages: Ints) -> None: ...
     def scrub_tail(self, page: int, used: int) -> None: ...
     def stale(self, pages: Ints, expected: Ints) -> Mask: ...
@@ -184,6 +189,17 @@ class DevicePages:
             return
         kept = torch.as_tensor(unwritten, device=self.pool.device)
         self.written[index] = torch.where(kept, self.written.index_select(0, index), tags)
+
+    def repoint(self, pages: Ints, kept: Ints, tags: Ints) -> torch.Tensor:
+        """A request's row reads ``pages`` now, where it read ``kept`` with ``tags``: its tags
+        from now on. A page the engine re-pointed (its cache's copy of the same tokens) joins
+        with its current generation, which its owner vouches for, and is written for it; a page
+        left in place keeps its tag. One select, no sync."""
+        index = torch.as_tensor(pages)
+        fresh = self.generations(index)
+        same = index == torch.as_tensor(kept, device=index.device)
+        self.land(index, fresh, same)
+        return torch.where(same, torch.as_tensor(tags, device=index.device), fresh)
 
     def sources(self, pages: Ints, written: Ints | None = None) -> tuple[list[int], list[float]]:
         """Per page, the key of the request whose data it holds and when (read on the host:
@@ -379,6 +395,15 @@ class HostPages:
 
     def written_tags(self, pages: Ints) -> list[int]:
         return [self.written[p] for p in self._ints(pages)]
+
+    def repoint(self, pages: Ints, kept: Ints, tags: Ints) -> list[int] | None:
+        """As :meth:`DevicePages.repoint`; None when no page moved."""
+        ids, old, old_tags = self._ints(pages), self._ints(kept), self._ints(tags)
+        if ids == old:
+            return None
+        fresh = self.generations(ids)
+        self.own_writes([p for p, q in zip(ids, old, strict=True) if p != q])
+        return [t if p == q else f for p, q, t, f in zip(ids, old, old_tags, fresh, strict=True)]
 
     def land(self, pages: Ints, gens: Ints, unwritten: Mask | None = None) -> None:
         if unwritten is None:

@@ -1,9 +1,35 @@
 """Reporting a mismatch: counted, written to the spool once, with whose KV its pages held.
 
 :class:`Reporter` is :class:`~engine_hooks.watch.KVWatch`'s: it counts each mismatch and writes
-its event record once per request instance, detector and kind, after naming the requests whose
-data the pages held (the blast radius: see :mod:`engine_hooks.watch`). A write into a free page
-is reported as its late writer's.
+its event record once per request instance, detector and kind.
+
+Blast radius (whose KV a reader was exposed to). The hooks keep, per physical page, which
+request holds each of its recent generations and which last wrote it (see
+:mod:`engine_hooks.pagestate`: request keys beside the page tags, no content). They learn it
+from the calls above, with no new call needed: ``on_alloc(pages, request_id)`` and
+``on_reserve(rid, pages, instance)`` say who owns a page's new generation; a write is known by
+its tag (``mark_written`` by a remote writer with the reader's ticket tags, ``landed`` for a
+transfer that carries no tags, ``extend`` and ``wrote`` for the engine's own writes,
+``seal(rid, pages)`` for the writer's pages). A write into a free page is reported as its late
+writer's (``detail["next_owner"]`` the allocating request), with no sources: nobody read it.
+When a finding of one of :data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported, its
+:class:`Verdict` carries ``sources`` (:class:`kvspool.records.Source`: request id, instance,
+pages, ``written_at``), most pages first, at most ``MAX_EVENT_SOURCES``, plus
+``other_sources`` and ``other_source_pages``; the spool event carries the same fields. A page
+never written since start-up, or scrubbed, has no source; the reader is never its own source;
+pages whose writer the hooks cannot name are counted in the event's
+``detail["unattributed_pages"]``. Look-ups run only when a finding is reported (at a sync
+point on an accelerator); the per-token path only writes device arrays.
+
+Stopped before the read. ``verify_admit``, ``check_batch`` and ``check_step`` take
+``before_read=True`` from an engine that calls them before it reads the pages and fails a
+request whose verdict ``blocks`` (minipd: at admission and before each step's attention).
+Then every mismatch of a request that enforce mode fails there carries
+``detail["stopped_before_read"] = 1`` (:data:`kvspool.records.STOPPED_BEFORE_READ`): its
+sources say whose KV the pages held, but nobody's reached it, so the daemon names it as no
+reader. Never for a check read after the read: a deferred device check read at
+:meth:`KVWatch.resolve` (the step has run), or an engine that checks after its forward (the
+default, ``before_read=False``, keeps a request named as a reader).
 """
 
 from __future__ import annotations

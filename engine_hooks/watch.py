@@ -1,5 +1,10 @@
 """KVWatch: the detectors wired to an engine's hook points, reporting to the spool.
 
+(Over 450 lines: this is the one class the engines and adapters call, every hook and door of
+it, each a few lines over the modules that do the work: :mod:`~engine_hooks.tickets`,
+:mod:`~engine_hooks.reporting`, :mod:`~engine_hooks.rows`, :mod:`~engine_hooks.flushing`,
+:mod:`~engine_hooks.hookpoints`, :mod:`~engine_hooks.pagestate`.)
+
 An engine (or its adapter) calls one method per hook point:
 
 ========================  ==========================================  ========================
@@ -26,51 +31,31 @@ Every method returns at once, never raises (a failure inside is counted under
 synchronises except in ``seal``, ``verify_admit`` and ``resolve``, which run where engines
 already do.
 
-Blast radius (whose KV a reader was exposed to). The hooks keep, per physical page, which
-request holds each of its recent generations and which last wrote it (see
-:mod:`engine_hooks.pagestate`: request keys beside the page tags, no content). They learn it
-from the calls above, with no new call needed: ``on_alloc(pages, request_id)`` and
-``on_reserve(rid, pages, instance)`` say who owns a page's new generation; a write is known by
-its tag (``mark_written`` by a remote writer with the reader's ticket tags, ``landed`` for a
-transfer that carries no tags, ``extend`` and ``wrote`` for the engine's own writes,
-``seal(rid, pages)`` for the writer's pages). A write into a free page is reported as its late
-writer's (``detail["next_owner"]`` the allocating request), with no sources: nobody read it.
-When a finding of one of :data:`~engine_hooks.detectors.EXPOSING_KINDS` is reported, its
-:class:`Verdict` carries ``sources`` (:class:`kvspool.records.Source`: request id, instance,
-pages, ``written_at``), most pages first, at most ``MAX_EVENT_SOURCES``, plus
-``other_sources`` and ``other_source_pages``; the spool event carries the same fields. A page
-never written since start-up, or scrubbed, has no source; the reader is never its own source;
-pages whose writer the hooks cannot name are counted in the event's
-``detail["unattributed_pages"]``. Look-ups run only when a finding is reported (at a sync
-point on an accelerator); the per-token path only writes device arrays.
+Blast radius (whose KV a reader was exposed to) and "stopped before the read": see
+:mod:`engine_hooks.reporting`. Scrub: see :mod:`engine_hooks.scrub`.
 
-Stopped before the read. ``verify_admit``, ``check_batch`` and ``check_step`` take
-``before_read=True`` from an engine that calls them before it reads the pages and fails a
-request whose verdict ``blocks`` (minipd: at admission and before each step's attention).
-Then every mismatch of a request that enforce mode fails there carries
-``detail["stopped_before_read"] = 1`` (:data:`kvspool.records.STOPPED_BEFORE_READ`): its
-sources say whose KV the pages held, but nobody's reached it, so the daemon names it as no
-reader. Never for a check read after the read: a deferred device check read at
-:meth:`KVWatch.resolve` (the step has run), or an engine that checks after its forward (the
-default, ``before_read=False``, keeps a request named as a reader).
+The adapters use only this class's public methods and attributes (``pool``, ``modes``,
+``role``, ``scrub``); its detectors and page state are its own. Beside the hooks, doors for
+what an adapter does around them (not hooks: an adapter calls them inside its own guarded hook,
+whose guard counts a failure; every label from :mod:`engine_hooks.labels`):
 
-Scrub (``KVWatch(..., scrub=Scrub.ON_FREE | Scrub.ON_RESERVE)``, independent of the detector
-modes): pages are zeroed in every buffer, and their tags reset to "never written", when they
-return to the free list (``on_free``) or when decode reserves them for a remote write
-(``on_reserve``); the canary stamps are written after the scrub, so detection works as without
-it. A read of a page nobody wrote for the reader then reads zeros, not another request's KV.
-On an accelerator it is one fill launch, no sync. See docs/scrub.md for what each choice
-covers and costs.
+=================================  ===========================================================
+``verify_later(ticket)``           ``verify_admit`` without a sync: read at ``resolve()``
+``follow(ticket, pages)``          the request's row was re-pointed (a radix-cache dedup)
+``free_list(pages)``               the whole free list is ``pages`` (start-up, a cache flush)
+``seal_pages(pages)``              the checksum's seal alone (the adapter reports ``wrote``)
+``skip(detector, reason)``         a verification not done, and why
+``verified(detector, n)``          an engine's own detector verified ``n`` requests
+``engine_finding(...)``            an engine's own detector found a mismatch: its event
+``hook_failed(hook)``              an adapter's hook failed (its guard caught it)
+``counter(name, *labels)``         a counter now; ``hook_seconds()``, time in each hook
+=================================  ===========================================================
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
-import threading
 import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -91,7 +76,9 @@ from engine_hooks.detectors import (
     TransferChecksum,
     Verdict,
 )
-from engine_hooks.guard import Guard
+from engine_hooks.flushing import Snapshots
+from engine_hooks.hookpoints import HOOKS
+from engine_hooks.hookpoints import hook as _hook
 from engine_hooks.labels import Detector, Hook, Kind, Skip
 from engine_hooks.pagestate import Ints, PageState, page_state
 from engine_hooks.pool import PagedKVPool, PageIds
@@ -100,17 +87,14 @@ from engine_hooks.rows import SealRows
 from engine_hooks.scrub import Scrub
 from engine_hooks.spool import SpoolWriter
 from engine_hooks.tickets import RequestKeys, Ticket, instances_of, new_instance, owners_of
-from kvspool import schema
-from kvspool.catalogue import HOOK, HOOKED_DETECTORS
+from kvspool.catalogue import HOOKED_DETECTORS
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-__all__ = ["KVWatch", "RequestKeys", "Scrub", "Ticket", "new_instance"]
+__all__ = ["HOOKS", "KVWatch", "RequestKeys", "Scrub", "Ticket", "new_instance"]
 
 DETECTOR_NAMES = HOOKED_DETECTORS
-#: The hooks of :class:`KVWatch`, each named where it is defined (``_hook``), and the flush.
-HOOKS: set[str] = {Hook.FLUSH}
 # From this many pages on, a host-memory batch check is cheaper as tensor ops than in Python.
 _VECTOR_PAGES = 96
 
@@ -120,59 +104,6 @@ def _modes(mode: Mode | str | Mapping[str, Mode | str]) -> dict[str, Mode]:
         default = Mode(mode.get("default", Mode.LOG))
         return {name: Mode(mode.get(name, default)) for name in DETECTOR_NAMES}
     return {name: Mode(mode) for name in DETECTOR_NAMES}
-
-
-def _failed(
-    hook: Hook, _method: Callable[..., Any], args: tuple[Any, ...], _error: Exception
-) -> None:
-    """A hook of the watch ``args[0]`` failed: counted, and the verifications it skipped."""
-    watch = args[0]
-    watch.hook_failed(hook)
-    for detector in _HOOK_DETECTORS.get(hook, ()):
-        watch.skip(detector, Skip.HOOK_ERROR)
-
-
-_GUARD = Guard(_failed)
-
-
-def _hook(name: Hook, fallback: Callable[[], Any]) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Time a hook into ``hook_seconds{hook}`` and guard it (:mod:`engine_hooks.guard`)."""
-    HOOKS.add(HOOK.check(name))
-    labels = (str(name),)
-
-    def wrap(method: Callable[P, R]) -> Callable[P, R]:
-        guarded = _GUARD(name, fallback)(method)
-
-        @functools.wraps(method)
-        def timed(*args: P.args, **kwargs: P.kwargs) -> R:
-            watch = args[0]
-            assert isinstance(watch, KVWatch)
-            started = time.perf_counter()
-            try:
-                result: R = guarded(*args, **kwargs)
-                return result
-            finally:
-                watch._stats.add("hook_seconds", labels, time.perf_counter() - started)
-
-        return timed
-
-    return wrap
-
-
-#: The detectors whose verification a hook's failure skips.
-_HOOK_DETECTORS: dict[Hook, tuple[Detector, ...]] = {
-    Hook.ALLOC: (Detector.CANARY, Detector.PAGE_TAG),
-    Hook.FREE: (Detector.PAGE_TAG,),
-    Hook.RESERVE: (Detector.CANARY, Detector.PAGE_TAG),
-    Hook.SEAL: (Detector.CHECKSUM,),
-    Hook.VERIFY: (Detector.CANARY, Detector.CHECKSUM, Detector.PAGE_TAG),
-    Hook.STEP: (Detector.PAGE_TAG,),
-    Hook.LANDED: (Detector.PAGE_TAG,),
-    Hook.WROTE: (Detector.PAGE_TAG,),
-    Hook.RESOLVE: (),
-    Hook.ADMISSION: (Detector.ADMISSION,),
-    Hook.STARTUP: (),
-}
 
 
 class KVWatch:
@@ -225,24 +156,10 @@ class KVWatch:
         self._pending: list[Finding] = []
         self._rows = SealRows(pool, self._state, self._requests) if pool and self._state else None
         self._on_device = pool is not None and not pool.is_cpu
-        self._lock = threading.Lock()  # guards the spool snapshot against the flush thread
-        self._stop = threading.Event()
-        # Set by a mismatch: the flush thread writes the counters at once, not a flush interval
-        # later (the alert pages on the counter; an engine killed in between would leave an
-        # event that pages nobody). The engine's thread only sets it: it never waits on a write.
-        self._flush_soon = threading.Event()
+        self._snapshots = Snapshots(self._stats, spool, flush_interval, lambda: self.pool_report)
         self._reporter = Reporter(
-            self._state, self._requests, self._stats, self.spool, self._flush_soon
+            self._state, self._requests, self._stats, self.spool, self._snapshots.soon
         )
-        self._thread: threading.Thread | None = None
-        if self.spool is not None:
-            self.flush()
-            self._thread = threading.Thread(
-                target=self._flush_loop, args=(flush_interval,), name="kvwatch-flush", daemon=True
-            )
-            self._thread.start()
-            ref = weakref.ref(self)
-            atexit.register(_close_ref, ref)
 
     def _use_state(self, state: PageState) -> None:
         """Run on another page-state backend (tests: the device backend on a CPU pool)."""
@@ -259,7 +176,7 @@ class KVWatch:
     ) -> PoolReport:
         """Pool versus context, at engine start: the gauges and the unsafe band."""
         self.pool_report = PoolReport(int(pool_tokens), int(context_length_tokens), int(page_size))
-        self._write_gauges()
+        self._snapshots.write_gauges()
         return self.pool_report
 
     @_hook(Hook.ALLOC, list)
@@ -510,29 +427,12 @@ class KVWatch:
         follows. A page the engine re-pointed (the cache's copy of the same tokens) joins with
         its current generation, which its owner vouches for, and is written for it; a page left
         in place keeps the generation it was reserved with. No sync on an accelerator."""
-        state = self._state
-        if state is None or not ticket.page_count:
+        if self._state is None or not ticket.page_count:
             return
-        index = state.index(pages)
-        fresh = state.generations(index)
-        tags: Ints
-        if isinstance(index, torch.Tensor):  # on the device: one select per step
-            assert isinstance(fresh, torch.Tensor)
-            same = index == torch.as_tensor(ticket.pages, device=index.device)
-            tags = torch.where(same, torch.as_tensor(ticket.tags, device=index.device), fresh)
-            state.land(index, fresh, same)  # a moved page is written for its current generation
-        else:
-            assert isinstance(fresh, list) and isinstance(ticket.pages, list)
-            assert isinstance(ticket.tags, list)
-            if index == ticket.pages:
-                return
-            moved = [p for p, q in zip(index, ticket.pages, strict=True) if p != q]
-            tags = [
-                t if p == q else f
-                for p, q, t, f in zip(index, ticket.pages, ticket.tags, fresh, strict=True)
-            ]
-            state.own_writes(moved)
-        ticket.repoint(index, tags)
+        index = self._state.index(pages)
+        tags = self._state.repoint(index, ticket.pages, ticket.tags)
+        if tags is not None:
+            ticket.repoint(index, tags)
 
     def free_list(self, pages: PageIds) -> list[Verdict]:
         """The engine's whole free list is ``pages`` now (start-up, a cache flush): every
@@ -613,63 +513,12 @@ class KVWatch:
         return out
 
     def counter_series(self) -> list[list[Any]]:
-        series: list[list[Any]] = []
-        for (name, values), amount in list(self._stats.values.items()):
-            labels = dict(zip(schema.COUNTER_LABELS[name], values, strict=True))
-            series.append([name, labels, amount])
-        if self.spool is not None:
-            for reason, amount in self.spool.dropped.items():
-                series.append(["spool_dropped", {"reason": reason}, amount])
-        return series
-
-    def _write_gauges(self) -> None:
-        report = self.pool_report
-        if self.spool is None or report is None:
-            return
-        self.spool.write(
-            schema.GAUGES,
-            {
-                "gauges": [
-                    ["kv_pool_tokens", {}, report.pool_tokens],
-                    ["context_length_tokens", {}, report.context_length_tokens],
-                    ["page_size_tokens", {}, report.page_size_tokens],
-                ]
-            },
-        )
+        return self._snapshots.counter_series()
 
     def flush(self) -> None:
         """Write a cumulative snapshot of every counter (and the gauges) to the spool."""
-        if self.spool is None:
-            return
-        with self._lock:
-            self.spool.write(schema.COUNTERS, {"counters": self.counter_series()})
-            self._write_gauges()
-
-    def _flush_loop(self, interval: float) -> None:
-        while True:
-            self._flush_soon.wait(interval)
-            self._flush_soon.clear()
-            if self._stop.is_set():
-                return
-            try:
-                self.flush()
-            except Exception:  # a snapshot lost now is taken again next interval
-                self.hook_failed(Hook.FLUSH)
+        self._snapshots.flush()
 
     def close(self) -> None:
         """Final snapshot, stop the flush thread, close the spool. Idempotent."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._flush_soon.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2)
-        self.flush()
-        if self.spool is not None:
-            self.spool.close()
-
-
-def _close_ref(ref: weakref.ref[KVWatch]) -> None:
-    watch = ref()
-    if watch is not None:
-        watch.close()
+        self._snapshots.close()

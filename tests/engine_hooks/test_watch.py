@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_hooks import KVWatch, watch
+from engine_hooks import KVWatch, hookpoints, watch
 from engine_hooks.detectors import Admission, Canary, PageTags, TransferChecksum
 from engine_hooks.pagestate import DevicePages
 from engine_hooks.testing import read_spool
@@ -127,11 +127,11 @@ def test_extended_tickets_are_checked_every_step_on_every_page() -> None:
 def test_hook_and_detector_names_are_the_catalogues() -> None:
     hooks = set(catalogue.HOOK.values) - {catalogue.OTHER}
     assert hooks == watch.HOOKS  # every catalogued hook is timed and counted, and no other
-    assert set(watch._HOOK_DETECTORS) | {"flush"} == hooks
+    assert set(hookpoints.HOOK_DETECTORS) | {"flush"} == hooks
     detectors = {kind.name for kind in (Canary, TransferChecksum, PageTags, Admission)}
     assert detectors == set(catalogue.HOOKED_DETECTORS) == set(watch.DETECTOR_NAMES)
     with pytest.raises(ValueError, match="'alocate' is not a catalogued hook"):
-        watch._hook("alocate", list)
+        hookpoints.hook("alocate", list)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a catalogued detector"):
         catalogue.DETECTOR.check(catalogue.OTHER)
 
