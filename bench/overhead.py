@@ -39,6 +39,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -357,18 +358,9 @@ def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: in
             for page in runs[i % len(runs)]:
                 view[page].zero_()
 
-    best = {"scrub": 0.0, "memset": 0.0, "per_page": 0.0}
     nbytes = batch * pool.page_bytes
-    for _ in range(rounds):
-        for name, fn in (("scrub", scrub), ("memset", memset), ("per_page", per_page)):
-            fn(0)  # warm (a first launch compiles the kernel)
-            sync()
-            reps = 20
-            started = time.perf_counter()
-            for i in range(reps):
-                fn(i)
-            sync()
-            best[name] = max(best[name], reps * nbytes / (time.perf_counter() - started))
+    fns = {"scrub": scrub, "memset": memset, "per_page": per_page}
+    best = _best_rates(fns, rounds, nbytes, sync)
     how = "host arrays" if dev.type == "cpu" else "torch fills"
     if getattr(state, "kernels", False):
         how = "one Triton launch"
@@ -380,6 +372,24 @@ def scrub_bandwidth(device: str, pages: int, batch: int, rounds: int, layers: in
         f"zero_() of the same pages one by one: {best['per_page'] / 1e9:.2f} GB/s, ratio "
         f"{best['scrub'] / best['per_page']:.2f}x (best of {rounds} interleaved rounds)"
     )
+
+
+def _best_rates(
+    fns: dict[str, Callable[[int], None]], rounds: int, nbytes: int, sync: Callable[[], None]
+) -> dict[str, float]:
+    """Each function's best bytes per second over interleaved rounds of 20 calls each."""
+    best = dict.fromkeys(fns, 0.0)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn(0)  # warm (a first launch compiles the kernel)
+            sync()
+            reps = 20
+            started = time.perf_counter()
+            for i in range(reps):
+                fn(i)
+            sync()
+            best[name] = max(best[name], reps * nbytes / (time.perf_counter() - started))
+    return best
 
 
 def scrub_throughput(args: argparse.Namespace, items: list[tuple[str, int]]) -> None:
@@ -412,6 +422,16 @@ def scrub_throughput(args: argparse.Namespace, items: list[tuple[str, int]]) -> 
 SIDE_MODES = ("off", "on_reserve")
 
 
+def _side_stats(url: str) -> dict[str, Any]:
+    # The router asks each role with a 5 s timeout; a busy decode loop can miss it.
+    for _ in range(10):
+        reply = get(url, "/stats")
+        if all("process_cpu_seconds" in reply.get(r, {}) for r in ("prefill", "decode")):
+            return reply
+        time.sleep(0.2)
+    raise SystemExit(f"side by side: no stats from {url}: {reply}")
+
+
 def side_by_side_round(
     args: argparse.Namespace, items: list[tuple[str, int]], round_no: int
 ) -> tuple[dict[str, list[float]], dict[str, float], dict[str, float]]:
@@ -429,18 +449,9 @@ def side_by_side_round(
                 failed.append(status)
             i += args.concurrency
 
-    def stats(url: str) -> dict[str, Any]:
-        # The router asks each role with a 5 s timeout; a busy decode loop can miss it.
-        for _ in range(10):
-            reply = get(url, "/stats")
-            if all("process_cpu_seconds" in reply.get(r, {}) for r in ("prefill", "decode")):
-                return reply
-            time.sleep(0.2)
-        raise SystemExit(f"side by side: no stats from {url}: {reply}")
-
     def read(urls: dict[str, str], w: int) -> dict[str, dict[str, Any]]:
         order = SIDE_MODES[w % 2 :] + SIDE_MODES[: w % 2]  # neither is always read first
-        return {m: stats(urls[m]) for m in order}
+        return {m: _side_stats(urls[m]) for m in order}
 
     counts: dict[str, list[float]] = {m: [] for m in SIDE_MODES}
     with ExitStack() as stack:
@@ -530,7 +541,7 @@ def scrub_side_by_side(args: argparse.Namespace, items: list[tuple[str, int]]) -
     )
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -557,7 +568,11 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--side-windows", type=int, default=6, help="counted windows per round")
     parser.add_argument("--window-s", type=float, default=10.0, help="seconds per window")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
     request_hooks(4000, args.page_size, 20)
     step_hooks_at_batch(
         args.batch, args.batch_context, args.page_size, args.batch_steps, args.batch_rounds

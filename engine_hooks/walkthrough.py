@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -94,70 +95,67 @@ def heading(text: str) -> None:
     print(f"\n== {text}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--spool", default=None, help="spool directory (default: a new temp dir)")
-    parser.add_argument("--mode", default="log", choices=[m.value for m in Mode])
-    args = parser.parse_args(argv)
-    spool = args.spool or tempfile.mkdtemp(prefix="kvwatch-walkthrough-")
+@dataclass
+class Bed:
+    """A decode and a prefill engine, each a pool, its hooks and an allocator."""
 
-    decode_pool, prefill_pool = make_pool(), make_pool()
-    decode = KVWatch(
-        decode_pool,
-        role="decode",
-        engine="minipd",
-        model="walkthrough",
-        mode=args.mode,
-        spool=spool,
-    )
-    prefill = KVWatch(
-        prefill_pool,
-        role="prefill",
-        engine="minipd",
-        model="walkthrough",
-        mode=args.mode,
-        spool=spool,
-    )
-    d_alloc, p_alloc = Allocator(decode, PAGES), Allocator(prefill, PAGES)
+    decode_pool: PagedKVPool
+    prefill_pool: PagedKVPool
+    decode: KVWatch
+    prefill: KVWatch
+    d_alloc: Allocator
+    p_alloc: Allocator
+
+    @classmethod
+    def build(cls, mode: str, spool: str) -> Bed:
+        decode_pool, prefill_pool = make_pool(), make_pool()
+        watches = [
+            KVWatch(pool, role=role, engine="minipd", model="walkthrough", mode=mode, spool=spool)
+            for pool, role in ((decode_pool, "decode"), (prefill_pool, "prefill"))
+        ]
+        decode, prefill = watches
+        return cls(
+            decode_pool,
+            prefill_pool,
+            decode,
+            prefill,
+            Allocator(decode, PAGES),
+            Allocator(prefill, PAGES),
+        )
 
     def transfer(
-        rid: str, prompt_pages: int, written_pages: int, seed: int
+        self, rid: str, prompt_pages: int, written_pages: int, seed: int
     ) -> tuple[list[int], Ticket, list[Verdict]]:
         """The incident's three steps: decode reserves, prefill writes and seals, decode admits.
         Also the verdicts of the request's reads (admit's), for the narration."""
-        dst = d_alloc.alloc(prompt_pages, rid)
-        ticket = decode.on_reserve(rid, dst)
+        dst = self.d_alloc.alloc(prompt_pages, rid)
+        ticket = self.decode.on_reserve(rid, dst)
         assert ticket is not None
-        src = p_alloc.alloc(written_pages, rid)
-        compute_kv(prefill_pool, src, seed)
-        write_pages(prefill_pool, src, decode_pool, dst[:written_pages])
-        decode_pool.mark_written(dst[:written_pages], ticket.tags[:written_pages])
-        seal = prefill.seal(rid, src)
-        p_alloc.release(src)
-        verdicts = decode.verify_admit(ticket, seal)
+        src = self.p_alloc.alloc(written_pages, rid)
+        compute_kv(self.prefill_pool, src, seed)
+        write_pages(self.prefill_pool, src, self.decode_pool, dst[:written_pages])
+        self.decode_pool.mark_written(dst[:written_pages], ticket.tags[:written_pages])
+        seal = self.prefill.seal(rid, src)
+        self.p_alloc.release(src)
+        verdicts = self.decode.verify_admit(ticket, seal)
         report(verdicts)
         if not verdicts:
             print(f"    {rid}: all detectors passed ({prompt_pages} pages verified)")
         return dst, ticket, verdicts
 
-    print(f"kvwatch detector walkthrough (mode={args.mode}); spool: {spool}")
-    heading("Pool versus context at start-up (the Workers AI numbers)")
-    band = decode.report_pool(681_280, 1_048_576, PAGE_SIZE)
-    assert band is not None
-    print(
-        f"    pool={band.pool_tokens:,} context={band.context_length_tokens:,} "
-        f"unsafe band={band.unsafe_band_tokens:,} tokens ({band.unsafe_share:.0%} of the window)"
-    )
 
+def stale_reads(bed: Bed) -> None:
+    """The scenes where a request reads pages it never wrote."""
+    decode, d_alloc, decode_pool = bed.decode, bed.d_alloc, bed.decode_pool
     heading("Two users write their prompts and finish; their pages go back unzeroed")
     for user, seed in (("user-a", 1), ("user-b", 2)):
-        pages, _, _ = transfer(user, 4, 4, seed)
+        pages, _, _ = bed.transfer(user, 4, 4, seed)
         d_alloc.release(pages)
 
     heading("A rejected over-length request: the admission queue checks finished(), not to_finish")
     report([decode.on_admission("rejected-1", "decode_prealloc", aborted=True, finished=False)])
     heading("... decode reserves 8 pages, prefill writes 1 (the placeholder), decode admits")
-    pages, _, verdicts = transfer("rejected-1", 8, 1, 3)
+    pages, _, verdicts = bed.transfer("rejected-1", 8, 1, 3)
     print(f"    {exposure_line(verdicts, 7)}")
     d_alloc.release(pages)
 
@@ -169,25 +167,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     compute_kv(decode_pool, late[:1], 9)  # the write nobody waited for, with its page tag
     decode_pool.mark_written(late[:1], late_ticket.tags[:1])
     d_alloc.free.sort(key=lambda p: p != late[0])  # the next allocation takes that page
-    taken, _, verdicts = transfer("next-owner", 2, 2, 4)
+    taken, _, verdicts = bed.transfer("next-owner", 2, 2, 4)
     print(f"    {exposure_line(verdicts, 0)}")
     d_alloc.release(taken)
 
+
+def other_faults(bed: Bed) -> None:
+    """A corrupted transfer, a double free, and a clean request."""
+    decode, d_alloc, p_alloc = bed.decode, bed.d_alloc, bed.p_alloc
     heading("A flipped bit in a transfer")
     dst = d_alloc.alloc(3, "flip-3")
     ticket = decode.on_reserve("flip-3", dst)
     assert ticket is not None
     src = p_alloc.alloc(3, "flip-3")
-    compute_kv(prefill_pool, src, 5)
-    write_pages(prefill_pool, src, decode_pool, dst)
-    decode_pool.mark_written(dst, ticket.tags)
-    decode_pool.page(dst[1])[0][7] ^= 0x10
-    report(decode.verify_admit(ticket, prefill.seal("flip-3", src)))
+    compute_kv(bed.prefill_pool, src, 5)
+    write_pages(bed.prefill_pool, src, bed.decode_pool, dst)
+    bed.decode_pool.mark_written(dst, ticket.tags)
+    bed.decode_pool.page(dst[1])[0][7] ^= 0x10
+    report(decode.verify_admit(ticket, bed.prefill.seal("flip-3", src)))
     p_alloc.release(src)
     d_alloc.release(dst)
 
     heading("A page reallocated while a running request still references it (double free)")
-    running, run_ticket, _ = transfer("running-4", 2, 2, 6)
+    running, run_ticket, _ = bed.transfer("running-4", 2, 2, 6)
     d_alloc.release(running[:1])  # freed by mistake while still in use
     d_alloc.free.sort(key=lambda p: p != running[0])
     thief = d_alloc.alloc(1, "thief-5")  # ... and handed to another request
@@ -196,11 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     d_alloc.release(running[1:] + thief)
 
     heading("A clean request")
-    pages, _, _ = transfer("clean-6", 4, 4, 7)
+    pages, _, _ = bed.transfer("clean-6", 4, 4, 7)
     d_alloc.release(pages)
 
-    decode.close()
-    prefill.close()
+
+def spool_summary(spool: str) -> None:
     contents = read_spool(spool)
     heading(
         f"What the hooks wrote to the spool ({len(contents.records)} records, "
@@ -217,6 +219,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         for labels, value in sorted(counters.get(name, {}).items()):
             print(f"    counter {name}{dict(labels)} = {value:g}")
     print(f"\nRead it again with: kvwatch spool {spool} --events")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser.add_argument("--spool", default=None, help="spool directory (default: a new temp dir)")
+    parser.add_argument("--mode", default="log", choices=[m.value for m in Mode])
+    args = parser.parse_args(argv)
+    spool = args.spool or tempfile.mkdtemp(prefix="kvwatch-walkthrough-")
+    bed = Bed.build(args.mode, spool)
+
+    print(f"kvwatch detector walkthrough (mode={args.mode}); spool: {spool}")
+    heading("Pool versus context at start-up (the Workers AI numbers)")
+    band = bed.decode.report_pool(681_280, 1_048_576, PAGE_SIZE)
+    assert band is not None
+    print(
+        f"    pool={band.pool_tokens:,} context={band.context_length_tokens:,} "
+        f"unsafe band={band.unsafe_band_tokens:,} tokens ({band.unsafe_share:.0%} of the window)"
+    )
+    stale_reads(bed)
+    other_faults(bed)
+    bed.decode.close()
+    bed.prefill.close()
+    spool_summary(spool)
     return 0
 
 
