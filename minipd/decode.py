@@ -24,7 +24,7 @@ from minipd import httpjson, process, tokenizer
 from minipd.config import ServeConfig
 from minipd.httpjson import Body, error
 from minipd.kvcache import FreeList, KVPool, PageOwners, pages_for
-from minipd.logs import setup, startup_line
+from minipd.logs import startup_line
 from minipd.model import ReciteModel
 from minipd.watching import Seen, blocked, describe, hook_seconds, make_watch, settle
 
@@ -444,15 +444,9 @@ def main(
     ready: Queue[tuple[str, int]],
     parent_pid: int,
 ) -> None:
-    process.die_with_parent(parent_pid)
-    process.single_threaded_torch()
-    stop = process.stop_event()
-    logger = setup("decode", cfg.log_dir)
-    worker = DecodeWorker(cfg, buffers, tags, logger, owners)
-    worker.start()
-    server = httpjson.JsonServer("127.0.0.1", cfg.decode_port, worker.routes())
-    server.start()
-    ready.put(("decode", server.port))
-    process.wait(stop)
-    server.stop()
-    worker.close()
+    def started(logger: logging.Logger) -> DecodeWorker:
+        worker = DecodeWorker(cfg, buffers, tags, logger, owners)
+        worker.start()
+        return worker
+
+    process.serve("decode", cfg.decode_port, cfg.log_dir, ready, parent_pid, started)

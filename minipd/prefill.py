@@ -33,7 +33,7 @@ from minipd.kvcache import (
     make_owners,
     pages_for,
 )
-from minipd.logs import setup, startup_line
+from minipd.logs import startup_line
 from minipd.model import ReciteModel
 from minipd.watching import blocked, describe, hook_seconds, make_watch, settle
 
@@ -285,14 +285,7 @@ def main(
     ready: Queue[tuple[str, int]],
     parent_pid: int,
 ) -> None:
-    process.die_with_parent(parent_pid)
-    process.single_threaded_torch()
-    stop = process.stop_event()
-    logger = setup("prefill", cfg.log_dir)
-    worker = PrefillWorker(cfg, decode_buffers, decode_tags, logger, decode_owners)
-    server = httpjson.JsonServer("127.0.0.1", cfg.prefill_port, worker.routes())
-    server.start()
-    ready.put(("prefill", server.port))
-    process.wait(stop)
-    server.stop()
-    worker.close()
+    def built(logger: logging.Logger) -> PrefillWorker:
+        return PrefillWorker(cfg, decode_buffers, decode_tags, logger, decode_owners)
+
+    process.serve("prefill", cfg.prefill_port, cfg.log_dir, ready, parent_pid, built)

@@ -1,12 +1,20 @@
-"""What every minipd child process does: die with its parent, stop cleanly on a signal."""
+"""What every minipd child process does: die with its parent, stop cleanly on a signal, and
+serve its role's routes until told to stop (:func:`serve`)."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
+from multiprocessing.queues import Queue
 from types import FrameType
+from typing import Protocol
+
+from minipd import httpjson
+from minipd.logs import setup
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,3 +53,30 @@ def stop_event() -> threading.Event:
 def wait(stop: threading.Event) -> None:
     while not stop.wait(0.2):
         pass
+
+
+class Worker(Protocol):
+    def routes(self) -> dict[tuple[str, str], httpjson.Route]: ...
+    def close(self) -> None: ...
+
+
+def serve(
+    role: str,
+    port: int,
+    log_dir: str | None,
+    ready: Queue[tuple[str, int]],
+    parent_pid: int,
+    worker: Callable[[logging.Logger], Worker],
+) -> None:
+    """A role's child process: ``worker(logger)`` built, its routes served on 127.0.0.1 at
+    ``port`` (the bound port put on ``ready``) until SIGTERM or SIGINT, then closed."""
+    die_with_parent(parent_pid)
+    single_threaded_torch()
+    stop = stop_event()
+    running = worker(setup(role, log_dir))
+    server = httpjson.JsonServer("127.0.0.1", port, running.routes())
+    server.start()
+    ready.put((role, server.port))
+    wait(stop)
+    server.stop()
+    running.close()
