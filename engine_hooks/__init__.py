@@ -8,6 +8,9 @@ Public API:
   :class:`Verdict`, :class:`Seal`, :class:`Ticket`, :class:`PoolReport`; :class:`Scrub`, when
   pages are zeroed.
 - :class:`SpoolWriter`: the never-blocking, never-raising record writer.
+- :mod:`engine_hooks.labels`: the catalogue's labels as enums (``Detector``, ``Skip``, ``Hook``,
+  ``Kind``), which the adapters name; :class:`engine_hooks.guard.Guard`, the one never-raise
+  guard of every hook.
 
 This package never imports the daemon (``kvwatch``); the wire format lives in ``kvspool``.
 """
