@@ -36,3 +36,31 @@ def test_scrub_of_runs_and_of_scattered_pages_agree() -> None:
             assert not h[pages].any()
             assert all(h[p].any() for p in range(32) if p not in pages)
         assert torch.equal(host_pool.tag_store, device_pool.tag_store)
+
+
+def test_land_and_repoint_agree() -> None:
+    """The tag writes of a transfer without tags (``land``) and of a re-pointed row
+    (``repoint``): the same tags written, the same tags returned, in both backends."""
+    from engine_hooks.pagestate import DevicePages, HostPages
+    from tests.engine_hooks.harness import make_pool
+
+    host_pool, device_pool = (make_pool("mha", torch.bfloat16, 16) for _ in range(2))
+    host, device = HostPages(host_pool), DevicePages(device_pool, kernel=False)
+    for state in (host, device):
+        state.bump(state.index(range(16)))
+        state.bump(state.index([3, 4, 9]))  # generations: 2 for 3, 4 and 9, 1 for the rest
+    pages, gens = [1, 2, 3, 4], [7, 7, 8, 8]
+    host.land(pages, gens, [False, True, False, True])
+    device.land(device.index(pages), gens, torch.tensor([False, True, False, True]))
+    assert host_pool.tag_store.tolist() == device_pool.tag_store.tolist()
+    assert host_pool.tag_store[1:5].tolist() == [7, 0, 8, 0]
+    host.land([5, 6], [3, 3])
+    device.land(device.index([5, 6]), [3, 3])
+    assert host_pool.tag_store.tolist() == device_pool.tag_store.tolist()
+    # A row that read pages 1, 2, 3 with tags 5, 5, 5 now reads 1, 9, 3: page 9 moved.
+    assert host.repoint([1, 2, 3], [1, 2, 3], [5, 5, 5]) is None
+    host_tags = host.repoint([1, 9, 3], [1, 2, 3], [5, 5, 5])
+    device_tags = device.repoint(device.index([1, 9, 3]), [1, 2, 3], [5, 5, 5])
+    assert host_tags == device_tags.tolist() == [5, 2, 5]
+    assert host_pool.tag_store.tolist() == device_pool.tag_store.tolist()
+    assert host_pool.tag_store[9] == 2  # the moved page is written for its generation
