@@ -58,7 +58,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,9 +88,6 @@ from engine_hooks.scrub import Scrub
 from engine_hooks.spool import SpoolWriter
 from engine_hooks.tickets import RequestKeys, Ticket, instances_of, new_instance, owners_of
 from kvspool.catalogue import HOOKED_DETECTORS
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 __all__ = ["HOOKS", "KVWatch", "RequestKeys", "Scrub", "Ticket", "new_instance"]
 
