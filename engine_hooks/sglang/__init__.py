@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engine_hooks.sglang import compat, hooks_disagg, hooks_engine, hooks_memory
+from engine_hooks.sglang import compat, hooks_disagg, hooks_engine, hooks_memory, hooks_seal
 from engine_hooks.sglang.config import from_env
 
 logger = logging.getLogger("kvwatch.sglang")
@@ -42,6 +42,13 @@ HOOKS: tuple[tuple[str, Callable[..., Any], str, str | None], ...] = (
         C.RESULTS + ".process_batch_result_prebuilt",
         hooks_disagg.after_prebuilt_result,
         "AFTER",
+        "x",
+    ),
+    (C.PREFILL_MIXIN + ".send_kv_chunk", hooks_seal.before_send_kv_chunk, "BEFORE", "x"),
+    (
+        C.TRANSFER_QUEUE + "._commit_transfer_to_req",
+        hooks_seal.before_commit_transfer,
+        "BEFORE",
         "x",
     ),
     (
