@@ -68,6 +68,8 @@ HOOKS: tuple[tuple[str, Callable[..., Any], str, str | None], ...] = (
 
 #: What the last :func:`register` call attached (target names), for tests and ``status``.
 attached: list[str] = []
+#: The start-up line of the last :func:`register` call that loaded the plugin (one or none).
+startup: list[str] = []
 
 
 def register() -> bool:
@@ -81,6 +83,7 @@ def register() -> bool:
 
 def _register() -> bool:
     attached.clear()
+    startup.clear()
     settings = from_env()
     if settings.off:
         logger.info("kvwatch: KVWATCH_MODE=off, SGLang plugin not loaded")
@@ -101,15 +104,14 @@ def _register() -> bool:
         registry.HookRegistry.register(target, hook, getattr(registry.HookType, type_name))
         attached.append(target)
     skipped = ", ".join(compat.short(t) for t in support.missing_optional) or "none"
-    logger.info(
-        "kvwatch: SGLang %s plugin loaded, mode=%s, spool=%s, %d hooks; absent here: %s",
-        support.version,
-        settings.mode,
-        settings.spool,
-        len(attached),
-        skipped,
-    )
+    startup[:] = [
+        f"kvwatch: SGLang {support.version} plugin loaded, mode={settings.mode}, "
+        f"spool={settings.spool}, {len(attached)} hooks; absent here: {skipped}"
+    ]
+    # SGLang's logging is not set up yet while plugins load: the scheduler says it again once
+    # it is (hooks_engine.after_scheduler_init), in the server's log where an operator looks.
+    logger.info("%s", startup[0])
     return True
 
 
-__all__ = ["attached", "register"]
+__all__ = ["attached", "register", "startup"]

@@ -342,13 +342,15 @@ def running_bed(
     decode: dict[str, Process] = {}
     spools: dict[str, Path] = {"prefill": prefill_spool}  # type: ignore[dict-item]
     for mode in ("log", "enforce"):
+        # The decode radix cache off on one decode server, on on the other.
+        radix = ["--disaggregation-decode-enable-radix-cache"] if mode == "enforce" else []
         server, spool, _ = sglang_server(
             f"decode-{mode}",
             workdir,
             role="decode",
             transport=transport,
             mode=mode,
-            extra=decode_extra,
+            extra=radix + (decode_extra or []),
             page_size=page_size,
         )
         decode[mode] = server

@@ -27,7 +27,7 @@ def _mooncake_host_indices() -> None:
 
 
 def _dram(value: Any) -> Any:
-    return "DRAM" if value == "VRAM" else value
+    return "DRAM" if isinstance(value, str) and value == "VRAM" else value
 
 
 def _nixl_dram() -> None:

@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from typing import Any
 
 import pytest
+import requests
 
-from tests.sglang_pd.bed import KVWATCH_ABORT, Bed, reference_outputs, running_bed
+from tests.sglang_pd.bed import (
+    KVWATCH_ABORT,
+    Bed,
+    generate_body,
+    reference_outputs,
+    running_bed,
+)
 from tests.sglang_pd.corrupter import MARK
 
 SPOOL_WAIT_S = 15.0
@@ -35,7 +43,9 @@ def prompt(seed: int, words: int) -> str:
 
 SHARED = prompt(1, 60)
 # Mixed lengths: under one page, several pages (one digest per page on the wire), a shared
-# prefix (a radix-cache hit on prefill), and long prompts (over ten pages: one digest for all).
+# prefix (a radix-cache hit on prefill, and on the enforce decode, which runs SGLang's decode
+# radix cache; the log decode runs without), and long prompts (over ten pages: one digest for
+# all).
 CLEAN = [prompt(2, 6), SHARED, SHARED + " " + prompt(3, 25), prompt(4, 40), prompt(5, 150)]
 
 
@@ -97,9 +107,32 @@ def test_clean_pd_requests_equal_one_server_with_zero_findings(
     for server in bed.spools:
         assert describe(events(bed, server)) == [], server
         assert counter(bed, server, "hook_errors") == 0, server
-    # kvwatch loaded in every scheduler process: one hello per spool.
+    # kvwatch loaded in every scheduler process (a hello on each spool) and said so in each
+    # server's log, where an operator looks.
+    for process in (bed.prefill, *bed.decode.values()):
+        assert any(r.get("type") == "hello" for r in bed.spool(process.name).records)
+        assert "kvwatch: SGLang 0.5.23 plugin loaded, mode=" in process.text(), process.name
+
+
+def test_requests_aborted_mid_transfer_give_no_finding(
+    bed: Bed, reference: list[list[int]]
+) -> None:
+    """A client that goes away while its KV is in flight: SGLang aborts the request on prefill
+    and decode (at whatever stage it reached); the pages it held are freed and reused. Not a
+    finding, and the servers go on serving."""
+    body = generate_body(prompt(6, 150), 64)
+    for _ in range(3):
+        with suppress(requests.RequestException):
+            requests.post(bed.router.url + "/generate", json=body, timeout=0.3)
+    time.sleep(3.0)
+    for text, expected in zip(CLEAN[1:3], reference[1:3], strict=True):
+        served = bed.via_router(text, MAX_TOKENS)
+        assert served.status == 200 and served.output_ids == expected, served.body
+    time.sleep(2.0)  # one counter flush
     for server in bed.spools:
-        assert any(r.get("type") == "hello" for r in bed.spool(server).records), server
+        assert describe(events(bed, server)) == [], server
+        assert counter(bed, server, "hook_errors") == 0, server
+    assert counter(bed, "decode-log", "verifications_skipped", reason="no_seal") == 0
 
 
 def corrupted(bed: Bed, mode: str, words: int) -> tuple[Any, list[dict[str, Any]]]:
