@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test \
-	mutation-vllm mutation-sglang vllm-pd-test gpu-check dist
+	mutation-vllm mutation-sglang vllm-pd-test sglang-pd-test gpu-check dist
 
 $(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,7 +55,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP) tools
-	$(PY) -m pytest --ignore=tests/vllm --ignore=tests/vllm_pd
+	$(PY) -m pytest --ignore=tests/vllm --ignore=tests/vllm_pd --ignore=tests/sglang_pd
 
 # SGLang 0.5.23 from PyPI (and 0.5.22, 0.5.19 overlays) in its own venv under build/, cached.
 sglang-test: $(STAMP)
@@ -84,7 +84,14 @@ vllm-pd-test:
 	timeout -k 60 1800 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider \
 	    --basetemp=build/vllm-pd-tmp tests/vllm_pd
 
-test: tools lint typecheck unit sglang-test mutation-sglang vllm-test mutation-vllm vllm-pd-test
+# A real SGLang 0.5.23 PD deployment on CPU: prefill, decode (log and enforce) and the smg router
+# over Mooncake (TCP) and NIXL, kvwatch loaded by SGLang in every scheduler, inside a
+# loopback-only network namespace (root). Venv and tiny model cached under build/.
+sglang-pd-test:
+	bash tests/sglang_pd/run.sh
+
+test: tools lint typecheck unit sglang-test mutation-sglang vllm-test mutation-vllm vllm-pd-test \
+	sglang-pd-test
 
 bench: $(STAMP)
 	$(PY) bench/checksum.py

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engine_hooks.sglang import compat, hooks_disagg, hooks_engine, hooks_memory
+from engine_hooks.sglang import compat, hooks_disagg, hooks_engine, hooks_memory, hooks_seal
 from engine_hooks.sglang.config import from_env
 
 logger = logging.getLogger("kvwatch.sglang")
@@ -44,6 +44,13 @@ HOOKS: tuple[tuple[str, Callable[..., Any], str, str | None], ...] = (
         "AFTER",
         "x",
     ),
+    (C.PREFILL_MIXIN + ".send_kv_chunk", hooks_seal.before_send_kv_chunk, "BEFORE", "x"),
+    (
+        C.TRANSFER_QUEUE + "._commit_transfer_to_req",
+        hooks_seal.before_commit_transfer,
+        "BEFORE",
+        "x",
+    ),
     (
         C.DECODE_MIXIN + "._verify_kv_checksums",
         hooks_engine.around_verify_kv_checksums,
@@ -61,6 +68,8 @@ HOOKS: tuple[tuple[str, Callable[..., Any], str, str | None], ...] = (
 
 #: What the last :func:`register` call attached (target names), for tests and ``status``.
 attached: list[str] = []
+#: The start-up line of the last :func:`register` call that loaded the plugin (one or none).
+startup: list[str] = []
 
 
 def register() -> bool:
@@ -74,6 +83,7 @@ def register() -> bool:
 
 def _register() -> bool:
     attached.clear()
+    startup.clear()
     settings = from_env()
     if settings.off:
         logger.info("kvwatch: KVWATCH_MODE=off, SGLang plugin not loaded")
@@ -94,15 +104,14 @@ def _register() -> bool:
         registry.HookRegistry.register(target, hook, getattr(registry.HookType, type_name))
         attached.append(target)
     skipped = ", ".join(compat.short(t) for t in support.missing_optional) or "none"
-    logger.info(
-        "kvwatch: SGLang %s plugin loaded, mode=%s, spool=%s, %d hooks; absent here: %s",
-        support.version,
-        settings.mode,
-        settings.spool,
-        len(attached),
-        skipped,
-    )
+    startup[:] = [
+        f"kvwatch: SGLang {support.version} plugin loaded, mode={settings.mode}, "
+        f"spool={settings.spool}, {len(attached)} hooks; absent here: {skipped}"
+    ]
+    # SGLang's logging is not set up yet while plugins load: the scheduler says it again once
+    # it is (hooks_engine.after_scheduler_init), in the server's log where an operator looks.
+    logger.info("%s", startup[0])
     return True
 
 
-__all__ = ["attached", "register"]
+__all__ = ["attached", "register", "startup"]

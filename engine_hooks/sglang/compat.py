@@ -17,6 +17,8 @@ ALLOCATOR = S + "mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
 POOLS = S + "mem_cache.memory_pool"
 PREFILL_QUEUE = S + "disaggregation.prefill.PrefillBootstrapQueue"
 DECODE_QUEUE = S + "disaggregation.decode.DecodePreallocQueue"
+PREFILL_MIXIN = S + "disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+TRANSFER_QUEUE = S + "disaggregation.decode.DecodeTransferQueue"
 DECODE_MIXIN = S + "disaggregation.decode.SchedulerDisaggregationDecodeMixin"
 BATCH_MIXIN = (
     S + "disaggregation.decode_schedule_batch_mixin.ScheduleBatchDisaggregationDecodeMixin"
@@ -49,6 +51,8 @@ OPTIONAL = (
     DECODE_QUEUE + "._pre_alloc",  # decode reserves a request's pages
     BATCH_MIXIN + ".process_prebuilt",  # decode admits: verify before the KV is read
     RESULTS + ".process_batch_result_prebuilt",  # admission's results: finished requests
+    PREFILL_MIXIN + ".send_kv_chunk",  # prefill seals a transfer into its metadata row
+    TRANSFER_QUEUE + "._commit_transfer_to_req",  # decode reads the seal from the row
     DECODE_MIXIN + "._verify_kv_checksums",  # SGLang's own checksum (v0.5.21+)
     DECODE_MIXIN + "._handle_kv_checksum_mismatch",
     CANARY_REPORTER + "._format_violation",  # SGLang's own kv-canary (v0.5.22+)

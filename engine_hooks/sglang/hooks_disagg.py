@@ -239,10 +239,11 @@ def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
         watch.landed(ticket)
         pool = watch.pool
         on_device = pool is not None and not pool.is_cpu
-        if on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):
+        deferrable = held.seal is None  # a seal is read where it is verified, once per admit
+        if deferrable and on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):
             watch.verify_later(ticket)
             continue
-        verdicts = watch.verify_admit(ticket, None)
+        verdicts = watch.verify_admit(ticket, held.seal)
         log_verdicts(verdicts)
         _enforce(req, verdicts)
 

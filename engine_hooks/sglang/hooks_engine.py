@@ -13,12 +13,15 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from engine_hooks.labels import Detector, Hook, Kind, Skip
 from engine_hooks.sglang.guard import safe
 from engine_hooks.sglang.runtime import runtime
 from kvspool import schema
+
+logger = logging.getLogger("kvwatch.sglang")
 
 ROLES = {"prefill": "prefill", "decode": "decode", "null": "unified", "none": "unified"}
 
@@ -94,6 +97,18 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         getattr(allocator, "page_size", 0) or runtime().context.extra.get("page_size", 1)
     )
     report_pool(pool, context, page_size)
+    _say_loaded(page_size)
+
+
+def _say_loaded(page_size: int) -> None:
+    """The plugin's start-up line, in the scheduler's log (SGLang's logging is set up by now),
+    with what this process checks: at page size 1 the page checks have no paged pool."""
+    from engine_hooks.sglang import startup
+
+    if startup:
+        rt = runtime()
+        paged = "" if page_size > 1 else "; page size 1: canary and page tags skipped (no_pool)"
+        logger.info("%s; role=%s, page size %d%s", startup[0], rt.context.role, page_size, paged)
 
 
 # -- SGLang's own checksum ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine_hooks.detectors import Seal
 from engine_hooks.labels import Skip
 from engine_hooks.pool import Layout, PagedKVPool
 from engine_hooks.sglang.config import Settings, from_env
@@ -33,11 +34,13 @@ MAX_TICKETS = 65536
 @dataclass(slots=True)
 class Held:
     """A decode ticket and where its pages sit in the request's row of ``req_to_token``: the
-    ticket's page ``i`` is the page of token ``start + i * page_size``."""
+    ticket's page ``i`` is the page of token ``start + i * page_size``. ``seal``: prefill's
+    seal from the transfer's metadata row (``hooks_seal``), once it arrived."""
 
     watch: KVWatch
     ticket: Ticket
     start: int
+    seal: Seal | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,384 @@
+"""The SGLang PD bed: real SGLang 0.5.23 servers (prefill, decode) and the smg router on CPU.
+
+Every server is ``python -m sglang.launch_server`` in its own process group, started by this
+test process inside a network namespace that has only loopback (tests/sglang_pd/run.sh): SGLang
+itself starts the scheduler processes, loads kvwatch through ``SGLANG_PLUGINS`` in each,
+bootstraps the transfer and moves the KV (Mooncake over TCP, or NIXL over UCX/TCP). The CPU
+shims (README.md here) are a second plugin, ``cpu_bed``, never part of kvwatch.
+
+Requests go through the router (``smg``) the way a client sends them, or, for a decode server
+behind no router, the way the router sends them: the same body to prefill and to decode, with
+the prefill's bootstrap address and a fresh room. Every wait has a deadline; every process
+group is killed on exit, failure included.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from engine_hooks.testing import SpoolContents, read_spool
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "build" / "sglang-pd-model"
+START_TIMEOUT_S = 300.0  # three servers starting together on a busy 2-core machine
+ROUTER_TIMEOUT_S = 150.0  # the router re-checks its workers every 30 s
+REQUEST_TIMEOUT_S = 120.0
+KVWATCH_ABORT = "kvwatch: KV cache integrity check failed"
+PAGE_SIZE = 16
+CONTEXT = 1024
+POOL_TOKENS = 8192
+
+#: SGLang's flags for a CPU-only machine (README.md: what each one replaces).
+CPU_FLAGS = [
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch",
+    "--disable-cuda-graph",
+    "--dtype", "float32",
+    "--skip-server-warmup",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def only_loopback() -> bool:
+    """True inside a network namespace whose only interface is loopback."""
+    return sorted(os.listdir("/sys/class/net")) == ["lo"]
+
+
+def base_env(spool: Path | None, mode: str, plugins: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=str(ROOT),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        SGLANG_HOST_IP="127.0.0.1",  # no interface but loopback: SGLang's own guess fails
+        SGLANG_USE_CPU_ENGINE="1",
+        # A cached prefix sent early creates a torch.cuda.Event (disaggregation/prefill.py).
+        SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="0",
+        SGLANG_PLUGINS=plugins,
+        UCX_NET_DEVICES="lo",
+        UCX_TLS="tcp,self,sm",
+        KVWATCH_MODE=mode,
+    )
+    if spool is not None:
+        env["KVWATCH_SPOOL"] = str(spool)
+    return env
+
+
+@dataclass
+class Process:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    workdir: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self) -> None:
+        # A test process killed outright (no teardown) takes the server with it.
+        cmd = ["setpriv", "--pdeathsig", "TERM", "--", *self.cmd]
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+
+    def alive(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.tail()}")
+
+    def wait_ready(self, deadline: float, path: str = "/health") -> None:
+        while time.monotonic() < deadline:
+            self.alive()
+            with suppress(requests.RequestException):
+                if requests.get(self.url + path, timeout=5).status_code == 200:
+                    return
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready:\n{self.tail()}")
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is not None:
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def reap(self, deadline: float) -> None:
+        if self.proc is None:
+            return
+        with suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self.signal_group(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def sglang_server(
+    name: str,
+    workdir: Path,
+    *,
+    role: str | None,
+    transport: str,
+    mode: str = "log",
+    plugins: str = "kvwatch,cpu_bed",
+    extra: list[str] | None = None,
+    page_size: int = PAGE_SIZE,
+) -> tuple[Process, Path | None, int]:
+    """A server process (not started), its kvwatch spool and its bootstrap port (prefill)."""
+    port, bootstrap = free_port(), free_port()
+    spool = workdir / f"spool-{name}"
+    spool.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(MODEL),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--page-size", str(page_size),
+        "--context-length", str(CONTEXT),
+        "--max-total-tokens", str(POOL_TOKENS),
+        "--random-seed", "0",
+        *CPU_FLAGS,
+    ]  # fmt: skip
+    if role is not None:
+        cmd += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", transport]
+    if role == "prefill":
+        cmd += ["--disaggregation-bootstrap-port", str(bootstrap)]
+    if role == "decode":
+        # The default host backup pool sizes itself from the cgroup and registers it with CUDA.
+        cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    cmd += extra or []
+    env = base_env(spool, mode, plugins)
+    return Process(name, cmd, env, workdir, port), spool, bootstrap
+
+
+def router(workdir: Path, prefill: Process, bootstrap: int, decode: Process) -> Process:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "smg.cli", "launch",
+        "--pd-disaggregation",
+        "--prefill", prefill.url, str(bootstrap),
+        "--decode", decode.url,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        # Its metrics listen on 0.0.0.0:29000 by default.
+        "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    return Process("router", cmd, base_env(None, "off", ""), workdir, port)
+
+
+def stop_all(processes: list[Process], grace_s: float = 8.0) -> None:
+    for p in processes:
+        p.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.reap(deadline)
+
+
+@dataclass
+class Reply:
+    status: int
+    output_ids: list[int] | None
+    body: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def generate_body(text: str, max_tokens: int, rid: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+def post(url: str, body: dict[str, Any]) -> Reply:
+    try:
+        r = requests.post(url + "/generate", json=body, timeout=REQUEST_TIMEOUT_S)
+    except requests.RequestException as e:
+        return Reply(0, None, f"{type(e).__name__}: {e}"[:500])
+    if r.status_code != 200:
+        return Reply(r.status_code, None, r.text[:500])
+    data = r.json()
+    return Reply(200, data.get("output_ids"), "", data.get("meta_info") or {})
+
+
+#: What a failed transfer (not a kvwatch finding) says on decode: retried once, named.
+TRANSPORT_FAILURES = ("KVTransferError", "Failed to get kvcache", "transfer failed", "bootstrap")
+
+
+def transport_failure(reply: Reply) -> str | None:
+    if reply.status == 200 or KVWATCH_ABORT in reply.body:
+        return None
+    if reply.status == 0:
+        return reply.body
+    for cause in TRANSPORT_FAILURES:
+        if cause.lower() in reply.body.lower():
+            return reply.body
+    return None
+
+
+@dataclass
+class Bed:
+    transport: str
+    prefill: Process
+    bootstrap: int
+    decode: dict[str, Process]  # by kvwatch mode
+    router: Process
+    spools: dict[str, Path]
+    retried: list[str] = field(default_factory=list)
+    #: PD requests each decode server served (HTTP 200): one transfer each.
+    served: dict[str, int] = field(default_factory=lambda: {"log": 0, "enforce": 0})
+
+    def via_router(self, text: str, max_tokens: int) -> Reply:
+        send = lambda: post(self.router.url, generate_body(text, max_tokens))  # noqa: E731
+        return self._count("log", self._retrying(send))
+
+    def _count(self, mode: str, reply: Reply) -> Reply:
+        self.served[mode] += reply.status == 200
+        return reply
+
+    def direct(self, mode: str, text: str, max_tokens: int, rid: str | None = None) -> Reply:
+        """PD the way the router does it: one body to prefill and decode, a fresh room."""
+
+        def once() -> Reply:
+            body = generate_body(text, max_tokens, rid) | {
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": self.bootstrap,
+                "bootstrap_room": random.getrandbits(62),
+            }
+            with ThreadPoolExecutor(2) as pool:
+                first = pool.submit(post, self.prefill.url, body)
+                served = pool.submit(post, self.decode[mode].url, body)
+                first.result()
+                return served.result()
+
+        return self._count(mode, self._retrying(once))
+
+    def _retrying(self, send: Any) -> Reply:
+        served: Reply = send()
+        cause = transport_failure(served)
+        if cause is not None:  # a transport failure, never a finding: once more, named
+            self.retried.append(f"{self.transport}: {cause}")
+            print(f"sglang-pd bed: retrying after a transport failure: {cause}")
+            served = send()
+        return served
+
+    def spool(self, name: str) -> SpoolContents:
+        return read_spool(self.spools[name])
+
+    def all_processes(self) -> list[Process]:
+        return [self.prefill, *self.decode.values(), self.router]
+
+
+def reference_outputs(workdir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """The prompts served by one SGLang server, no PD, no kvwatch: the reference output."""
+    server, _, _ = sglang_server("single", workdir, role=None, transport="", plugins="cpu_bed")
+    with ExitStack() as stack:
+        stack.callback(stop_all, [server])
+        server.start()
+        server.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        out = []
+        for text in prompts:
+            reply = post(server.url, generate_body(text, max_tokens))
+            assert reply.status == 200 and reply.output_ids is not None, reply.body
+            out.append(reply.output_ids)
+        return out
+
+
+@contextmanager
+def running_bed(
+    transport: str,
+    workdir: Path,
+    *,
+    page_size: int = PAGE_SIZE,
+    decode_extra: list[str] | None = None,
+) -> Iterator[Bed]:
+    """prefill (kvwatch log, the corrupter) + decode(log) behind the router + decode(enforce)."""
+    assert only_loopback(), "run the bed inside a loopback-only netns (tests/sglang_pd/run.sh)"
+    prefill, prefill_spool, bootstrap = sglang_server(
+        "prefill",
+        workdir,
+        role="prefill",
+        transport=transport,
+        plugins="kvwatch,cpu_bed,corrupt_after_seal",
+        page_size=page_size,
+    )
+    decode: dict[str, Process] = {}
+    spools: dict[str, Path] = {"prefill": prefill_spool}  # type: ignore[dict-item]
+    for mode in ("log", "enforce"):
+        # The decode radix cache off on one decode server, on on the other.
+        radix = ["--disaggregation-decode-enable-radix-cache"] if mode == "enforce" else []
+        server, spool, _ = sglang_server(
+            f"decode-{mode}",
+            workdir,
+            role="decode",
+            transport=transport,
+            mode=mode,
+            extra=radix + (decode_extra or []),
+            page_size=page_size,
+        )
+        decode[mode] = server
+        spools[server.name] = spool  # type: ignore[assignment]
+    front = router(workdir, prefill, bootstrap, decode["log"])
+    bed = Bed(transport, prefill, bootstrap, decode, front, spools)
+    with ExitStack() as stack:
+        stack.callback(stop_all, bed.all_processes())
+        for server in (prefill, *decode.values()):
+            server.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in (prefill, *decode.values()):
+            server.wait_ready(deadline)
+        front.start()
+        warm_router(bed)
+        yield bed
+
+
+def warm_router(bed: Bed) -> None:
+    """The router accepts its workers after its first health pass (up to about 60 s)."""
+    deadline = time.monotonic() + ROUTER_TIMEOUT_S
+    last = ""
+    while time.monotonic() < deadline:
+        bed.router.alive()
+        reply = post(bed.router.url, generate_body("warm the router", 2))
+        if reply.status == 200:
+            bed.served["log"] += 1
+            return
+        last = reply.body
+        time.sleep(3.0)
+    raise TimeoutError(f"router never served: {last}\n{bed.router.tail(20)}")

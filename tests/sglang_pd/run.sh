@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The SGLang PD stage (`make sglang-pd-test`): build (or reuse) build/sglang-pd-venv, then run
+# tests/sglang_pd inside a fresh network namespace with only loopback, so that nothing the
+# servers open (Mooncake's schedulers listen on every interface) is reachable from outside.
+# Needs root (ip netns). Fails loudly; the namespace is removed on every exit.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+[[ "$(id -u)" == 0 ]] || { echo "sglang-pd-test: needs root (ip netns)" >&2; exit 1; }
+bash tests/sglang_pd/setup_env.sh
+NS="kvwatch-pd-$$"
+ip netns add "$NS"
+trap 'ip netns del "$NS" 2>/dev/null || true' EXIT
+ip netns exec "$NS" ip link set lo up
+KVWATCH_SGLANG_PD_STAGE=1 ip netns exec "$NS" timeout -k 30 900 build/sglang-pd-venv/bin/python -m pytest \
+    -p no:cacheprovider --basetemp=build/sglang-pd-tmp tests/sglang_pd "$@"

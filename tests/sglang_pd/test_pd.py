@@ -1,0 +1,177 @@
+"""kvwatch inside a real SGLang 0.5.23 PD deployment on CPU: prefill, decode and the smg router
+as real processes, KV moved by Mooncake (TCP) or NIXL (UCX over TCP), kvwatch loaded by SGLang
+in every scheduler process.
+
+Clean requests: the PD output equals one server's, zero findings on every server, and every
+transfer decode admitted was verified against prefill's seal, carried on SGLang's own metadata
+row (no ``no_seal`` skip). A KV value changed on prefill after the seal: one checksum finding
+naming the request and the page; served in log mode, failed by SGLang's own abort in enforce
+mode, and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import suppress
+from typing import Any
+
+import pytest
+import requests
+
+from tests.sglang_pd.bed import (
+    KVWATCH_ABORT,
+    Bed,
+    generate_body,
+    reference_outputs,
+    running_bed,
+)
+from tests.sglang_pd.corrupter import MARK
+
+SPOOL_WAIT_S = 15.0
+MAX_TOKENS = 8
+TEXT = (
+    "decode reads what prefill sealed page by page over the wire while the scheduler admits "
+    "new work and frees old pages when a request finishes"
+)
+WORDS = TEXT.split()
+
+
+def prompt(seed: int, words: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(words))
+
+
+SHARED = prompt(1, 60)
+# Mixed lengths: under one page, several pages (one digest per page on the wire), a shared
+# prefix (a radix-cache hit on prefill, and on the enforce decode, which runs SGLang's decode
+# radix cache; the log decode runs without), and long prompts (over ten pages: one digest for
+# all).
+CLEAN = [prompt(2, 6), SHARED, SHARED + " " + prompt(3, 25), prompt(4, 40), prompt(5, 150)]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    return reference_outputs(tmp_path_factory.mktemp("single"), CLEAN, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module", params=["mooncake_tcp", "nixl"])
+def bed(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    reference: list[list[int]],
+) -> Iterator[Bed]:
+    transport = str(request.param)
+    with running_bed(transport, tmp_path_factory.mktemp(f"pd-{transport}")) as running:
+        yield running
+
+
+def counter(bed: Bed, server: str, name: str, **labels: str) -> float:
+    series = bed.spool(server).latest_counters().get(name, {})
+    return sum(v for k, v in series.items() if all(dict(k).get(a) == b for a, b in labels.items()))
+
+
+def events(bed: Bed, server: str) -> list[dict[str, Any]]:
+    return bed.spool(server).events()
+
+
+def describe(found: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    return [(e["detector"], e["kind"], e["action"]) for e in found]
+
+
+def settled(bed: Bed, server: str, served: int) -> float:
+    """The checksum verifications on a decode server, once they reach ``served`` (the PD
+    requests it served: one transfer each) or the wait ends."""
+    deadline = time.monotonic() + SPOOL_WAIT_S
+    while True:
+        sealed = counter(bed, server, "verifications", detector="checksum")
+        if sealed >= served or time.monotonic() > deadline:
+            return sealed
+        time.sleep(0.5)
+
+
+def test_clean_pd_requests_equal_one_server_with_zero_findings(
+    bed: Bed, reference: list[list[int]]
+) -> None:
+    for text, expected in zip(CLEAN, reference, strict=True):
+        served = bed.via_router(text, MAX_TOKENS)
+        assert served.status == 200, f"{bed.transport} router: {served.body}"
+        assert served.output_ids == expected, f"{bed.transport} router"
+        direct = bed.direct("enforce", text, MAX_TOKENS)
+        assert direct.status == 200, f"{bed.transport} enforce: {direct.body}"
+        assert direct.output_ids == expected, f"{bed.transport} enforce"
+    for mode in ("log", "enforce"):
+        server = f"decode-{mode}"
+        # Every transfer decode served was verified against prefill's seal, no more, no fewer.
+        assert settled(bed, server, bed.served[mode]) == bed.served[mode], server
+        assert counter(bed, server, "verifications_skipped", reason="no_seal") == 0, server
+    for server in bed.spools:
+        assert describe(events(bed, server)) == [], server
+        assert counter(bed, server, "hook_errors") == 0, server
+    # kvwatch loaded in every scheduler process (a hello on each spool) and said so in each
+    # server's log, where an operator looks.
+    for process in (bed.prefill, *bed.decode.values()):
+        assert any(r.get("type") == "hello" for r in bed.spool(process.name).records)
+        assert "kvwatch: SGLang 0.5.23 plugin loaded, mode=" in process.text(), process.name
+
+
+def test_requests_aborted_mid_transfer_give_no_finding(
+    bed: Bed, reference: list[list[int]]
+) -> None:
+    """A client that goes away while its KV is in flight: SGLang aborts the request on prefill
+    and decode (at whatever stage it reached); the pages it held are freed and reused. Not a
+    finding, and the servers go on serving."""
+    body = generate_body(prompt(6, 150), 64)
+    for _ in range(3):
+        with suppress(requests.RequestException):
+            requests.post(bed.router.url + "/generate", json=body, timeout=0.3)
+    time.sleep(3.0)
+    for text, expected in zip(CLEAN[1:3], reference[1:3], strict=True):
+        served = bed.via_router(text, MAX_TOKENS)
+        assert served.status == 200 and served.output_ids == expected, served.body
+    time.sleep(2.0)  # one counter flush
+    for server in bed.spools:
+        assert describe(events(bed, server)) == [], server
+        assert counter(bed, server, "hook_errors") == 0, server
+    assert counter(bed, "decode-log", "verifications_skipped", reason="no_seal") == 0
+
+
+def corrupted(bed: Bed, mode: str, words: int) -> tuple[Any, list[dict[str, Any]]]:
+    server = f"decode-{mode}"
+    before = len(events(bed, server))
+    # A prompt no other request shares, under ten pages: the wire carries one digest per page.
+    rid = f"{MARK}-{bed.transport}-{mode}"
+    served = bed.direct(mode, f"{mode} " + prompt(11, words), MAX_TOKENS, rid=rid)
+    assert f"corrupt_after_seal: changed one KV value of {rid}" in bed.prefill.text()
+    deadline = time.monotonic() + SPOOL_WAIT_S
+    while True:
+        new = events(bed, server)[before:]
+        if new or time.monotonic() > deadline:
+            return served, new
+        time.sleep(0.5)
+
+
+def test_kv_corrupted_after_the_seal_is_caught_and_served_in_log_mode(bed: Bed) -> None:
+    served, new = corrupted(bed, "log", 40)
+    assert served.status == 200, served.body  # log mode records and serves
+    assert describe(new) == [("checksum", "digest", "logged")], new
+    assert new[0]["request_id"] == f"{MARK}-{bed.transport}-log"
+    assert len(new[0]["pages"]) == 1, new[0]  # the one page that differs, named
+
+
+def test_kv_corrupted_after_the_seal_fails_the_request_in_enforce_mode(
+    bed: Bed, reference: list[list[int]]
+) -> None:
+    served, new = corrupted(bed, "enforce", 45)
+    assert served.status != 200 and KVWATCH_ABORT in served.body, served
+    assert describe(new) == [("checksum", "digest", "enforced")], new
+    assert new[0]["request_id"] == f"{MARK}-{bed.transport}-enforce"
+    # The server goes on serving clean PD traffic.
+    again = bed.direct("enforce", CLEAN[1], MAX_TOKENS)
+    assert again.status == 200 and again.output_ids == reference[1], again.body
+
+
+def test_prefill_stays_clean_and_no_transport_retry_hid_a_finding(bed: Bed) -> None:
+    assert describe(events(bed, "prefill")) == []
+    assert counter(bed, "prefill", "hook_errors") == 0
+    if bed.retried:
+        print(f"transport failures retried ({bed.transport}): {bed.retried}")
