@@ -102,7 +102,7 @@ class KvwatchCollector(Collector):
         yield build
         yield from self._engine_families()
         totals = state.hook_counter_totals()
-        for series in catalogue.COUNTERS:
+        for series in catalogue.COUNTER_SERIES:
             metric = CounterMetricFamily(
                 series.family, series.help, labels=list(series.label_names)
             )
@@ -168,7 +168,7 @@ class KvwatchCollector(Collector):
 
     def _engine_families(self) -> Iterator[Metric]:
         latest, info = engine_views(self.state)
-        for series in catalogue.GAUGES:
+        for series in catalogue.GAUGE_SERIES:
             metric = GaugeMetricFamily(series.family, series.help, labels=list(_ENGINE_LABELS))
             for labels, gauges in sorted(latest.items()):
                 if series.name in gauges:

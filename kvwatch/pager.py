@@ -118,7 +118,7 @@ def fast_alerts() -> tuple[Alert, ...]:
 def counter_labels(counter: str) -> tuple[str, ...]:
     """The labels the daemon's /metrics gives the catalogued counter ``kvwatch_<counter>``."""
     family = catalogue.PREFIX + counter
-    for series in catalogue.COUNTERS:
+    for series in catalogue.COUNTER_SERIES:
         if series.family == family:
             return series.label_names
     found = catalogue.FAMILY_BY_NAME.get(family)

@@ -48,8 +48,8 @@ from kvspool.records import (
     Event,
     Gauges,
     Hello,
+    NextSegment,
     Record,
-    Seal,
     stopped_before_read,
 )
 from kvspool.writer import PRIVATE_SUFFIX
@@ -497,7 +497,7 @@ class SpoolReader:
             producer.gauges = {SERIES_OF[type(g)].name: g.value for g in record.gauges}
         elif type(record) is Hello:
             self._hello(producer, record)
-        elif type(record) is Seal:
+        elif type(record) is NextSegment:
             segment.sealed = True
 
     def _store_alone(

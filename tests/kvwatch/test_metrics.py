@@ -159,8 +159,8 @@ def test_every_family_on_metrics_is_in_the_catalogue(spool: Path, journal: Journ
     text = render(fixed_state(spool, journal), FakeGpus())
     exposed = {family.name for family in text_string_to_metric_families(text)}
     catalogued = (
-        {s.family for s in catalogue.COUNTERS}
-        | {s.family for s in catalogue.GAUGES}
+        {s.family for s in catalogue.COUNTER_SERIES}
+        | {s.family for s in catalogue.GAUGE_SERIES}
         | {f.name for f in catalogue.DAEMON_FAMILIES}
     )
     assert exposed == catalogued

@@ -75,7 +75,7 @@ def _series(alert: Alert) -> dict[str, str]:
     for name in counter_labels(alert.increase.counter):
         label = next(
             lab
-            for s in (*catalogue.COUNTERS,)
+            for s in (*catalogue.COUNTER_SERIES,)
             for lab in s.labels
             if lab.name == name and s.family.endswith(alert.increase.counter)
         )
