@@ -41,8 +41,8 @@ from prometheus_client.registry import Collector
 import kvspool
 from kvwatch.config import Config
 from kvwatch.daemon import Daemon
-from kvwatch.incidents_log import rotated
-from kvwatch.metrics import KvwatchCollector
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.store.incidents_log import rotated
 
 EVENT_SHARE = 0.8  # the rest are counter snapshots (a leak storm: mostly detection events)
 

@@ -35,7 +35,8 @@ INT64_MAX: Final = (1 << 63) - 1
 #: far from float64's overflow.
 MAX_VALUE: Final = float(1 << 63)
 #: The latest timestamp a record may carry: 9999-12-31T23:59:59Z, the last a datetime shows.
-#: The daemon also clamps what lies outside a window of its own clock (see kvwatch.spool_reader).
+#: The daemon also clamps what lies outside a window of its own clock (see
+#: kvwatch.ingest.spool.reader).
 MAX_TS: Final = 253_402_300_799.0
 
 Text = Annotated[str, Meta(max_length=MAX_STRING_CHARS)]

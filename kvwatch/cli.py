@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from kvspool.catalogue import DETECTOR, KIND, OTHER, ROLE
-from kvwatch import __version__, assets, dashboards_push, probe
+from kvwatch import __version__, assets
 from kvwatch import config as configuration
-from kvwatch.clihelp import (
+from kvwatch.commands import dashboards_push, probe
+from kvwatch.commands.clihelp import (
     Formatter,
     Parser,
     add_command,
@@ -33,7 +34,7 @@ from kvwatch.clihelp import (
     paint,
     use_colour,
 )
-from kvwatch.incidents import EXPOSED_VERSION
+from kvwatch.store.incident import EXPOSED_VERSION
 
 # What `incidents` filters on: the catalogue's names ("other" is no detector or kind of its own).
 DETECTORS = tuple(v for v in DETECTOR.sorted_values if v != OTHER)
@@ -161,7 +162,7 @@ def _journal_problem(path: str) -> str | None:
 
 
 def _log_problem(path: str) -> str | None:
-    from kvwatch.incidents_log import rotated
+    from kvwatch.store.incidents_log import rotated
 
     log = Path(path)
     if log.is_dir():
@@ -178,8 +179,9 @@ def _log_problem(path: str) -> str | None:
 
 
 def _incidents(args: argparse.Namespace) -> int:
-    from kvwatch import incidents, incidents_log
-    from kvwatch.journal import Journal, JournalError
+    from kvwatch.store import incident as incidents
+    from kvwatch.store import incidents_log
+    from kvwatch.store.journal import Journal, JournalError
 
     now = time.time()
     try:
@@ -243,9 +245,9 @@ def _incidents(args: argparse.Namespace) -> int:
 def _ack(args: argparse.Namespace) -> int:
     import getpass
 
-    from kvwatch import incidents
-    from kvwatch.incidents_log import iso
-    from kvwatch.journal import SCHEMA_VERSION, AckRow, Journal, JournalError, acknowledge
+    from kvwatch.store import incident as incidents
+    from kvwatch.store.incidents_log import iso
+    from kvwatch.store.journal import SCHEMA_VERSION, AckRow, Journal, JournalError, acknowledge
 
     now = time.time()
     chosen = [args.incident is not None, bool(args.since or args.until), args.all]
@@ -323,7 +325,7 @@ _SHOWN_ERRORS = 20
 
 
 def _check_logs(args: argparse.Namespace) -> int:
-    from kvwatch import checklogs
+    from kvwatch.commands import check_logs as checklogs
 
     rows = checklogs.check_files(args.files, role=args.role)
     checklogs.render(rows, sys.stdout, as_json=args.json)

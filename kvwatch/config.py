@@ -2,7 +2,7 @@
 
 Every setting, with what it does and its default, is in the example ``deploy/kvwatch.toml``
 (``kvwatch export deploy``): commented out where the default applies. The fast path to the pager
-(``node``, ``alertmanager_*``, ``prometheus_scrape_interval``) is :mod:`kvwatch.pager`'s.
+(``node``, ``alertmanager_*``, ``prometheus_scrape_interval``) is :mod:`kvwatch.alerting.pager`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvspool.catalogue import ENGINE, OTHER, ROLE
-from kvwatch.logwatch import EngineLog
+from kvwatch.ingest.logs.watch import EngineLog
 
 #: 9100-9999 is fully allocated on Prometheus's exporter port list; this one is outside it,
 #: below the Linux ephemeral range, and not a well-known default of any exporter.

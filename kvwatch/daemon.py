@@ -29,15 +29,15 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from kvwatch import __version__
+from kvwatch.alerting.pager import Pager
 from kvwatch.config import Config, ConfigError, parse_listen
-from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
-from kvwatch.logwatch import LogWatcher
-from kvwatch.metrics import KvwatchCollector
-from kvwatch.nvml import Nvml
-from kvwatch.pager import Pager
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.statuspage import AlarmSettings, make_app, serve_wsgi
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.expose.status import AlarmSettings, make_app, serve_wsgi
+from kvwatch.ingest.logs.watch import LogWatcher
+from kvwatch.ingest.nvml import Nvml
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.incidents_log import IncidentsLog
+from kvwatch.store.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
 
 #: How often old journal rows are pruned.
 PRUNE_SECONDS: Final = 600.0

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from kvspool import MAGIC, encode_payload, read_segment
-from kvwatch.journal import IncidentRow, Journal
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import MAX_MODELS, State
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import IncidentRow, Journal
+from kvwatch.store.state import MAX_MODELS, State
 from tests.kvwatch.spoolgen import Producer, seqs
 from tests.kvwatch.views import render_all, sample
 
@@ -322,7 +322,7 @@ def test_a_writer_that_appends_and_closes_during_a_read_loses_nothing(
     2,404 of 121,009 lost under load)."""
     import fcntl
 
-    from kvwatch import spool_reader
+    from kvwatch.ingest.spool import reader as spool_reader
 
     state = journal.load()
     reader = reader_for(spool, journal, state, idle_grace=1.0)

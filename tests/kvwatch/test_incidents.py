@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwatch import incidents
-from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import State
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store import incident as incidents
+from kvwatch.store.incidents_log import IncidentsLog
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 from tests.kvwatch.daemonproc import run_cli
 from tests.kvwatch.spoolgen import T0, Producer
 
@@ -169,7 +169,7 @@ def test_cli_mistakes_are_one_line(
 
 
 def _iso(ts: float) -> str:
-    from kvwatch.incidents_log import iso
+    from kvwatch.store.incidents_log import iso
 
     return iso(ts)
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from kvwatch import incidents_log
-from kvwatch.incidents_log import HIGH_WATER_KEY, IncidentsLog
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store import incidents_log
+from kvwatch.store.incidents_log import HIGH_WATER_KEY, IncidentsLog
+from kvwatch.store.journal import Journal
 from tests.kvwatch.daemonproc import DaemonProcess, run_cli
 from tests.kvwatch.spoolgen import Producer
 from tests.kvwatch.writer import spool_module

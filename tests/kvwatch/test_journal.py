@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from kvspool import encode_frame, encode_payload
-from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import (
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.incidents_log import IncidentsLog
+from kvwatch.store.journal import (
     RETIRED_GRACE,
     ROWS_PER_INSERT,
     Batch,
@@ -17,7 +18,6 @@ from kvwatch.journal import (
     Journal,
     JournalError,
 )
-from kvwatch.spool_reader import SpoolReader
 from tests.kvwatch.spoolgen import T0, Producer
 
 
@@ -337,7 +337,7 @@ def test_a_schema_2_journal_reads_and_migrates(tmp_path: Path) -> None:
     assert journal.incidents() == [old]
     journal.close()
     # Migrated in place to schema 4: acknowledgements can be stored and read back.
-    from kvwatch.journal import AckRow, acknowledge
+    from kvwatch.store.journal import AckRow, acknowledge
 
     acknowledge(path, AckRow(2.0, "alice", 7, incident=7))
     readonly = Journal(path, readonly=True)

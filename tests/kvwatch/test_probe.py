@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvwatch import probe
+from kvwatch.commands import probe
 
 
 def test_fit_recovers_a_linear_tokenizer() -> None:

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvspool import MAX_RECORD_BYTES, encode_frame, encode_payload
-from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import State
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.incidents_log import IncidentsLog
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 from tests.kvwatch.spoolgen import Producer, seqs
 from tests.kvwatch.writer import spool_module
 

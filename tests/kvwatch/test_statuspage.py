@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch import incidents as incident_model
-from kvwatch.state import Producer, State
-from kvwatch.statuspage import Alarm, AlarmSettings, render
+from kvwatch.expose.status import Alarm, AlarmSettings, render
+from kvwatch.store import incident as incident_model
+from kvwatch.store.state import Producer, State
 from tests.kvwatch.daemonproc import REPO, DaemonProcess
 from tests.kvwatch.writer import spool_module
 

@@ -10,10 +10,11 @@ import re
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvwatch import incidents, statuspage
-from kvwatch.journal import Journal
-from kvwatch.metrics import KvwatchCollector
-from kvwatch.state import State
+from kvwatch.expose import status as statuspage
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.store import incident as incidents
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 

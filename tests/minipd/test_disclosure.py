@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 from engine_hooks.testing import read_spool
 from kvspool.records import stopped_before_read
-from kvwatch.incidents import counts, exposure, group
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.incident import counts, exposure, group
+from kvwatch.store.journal import Journal
 from minipd.releases import RELEASES
 from tests.minipd.inprocess import Engine, Reads
 

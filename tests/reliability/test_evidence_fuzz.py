@@ -43,8 +43,8 @@ import structlog
 import kvspool
 import kvspool.writer
 from kvspool import MAGIC, SpoolWriter, decode_payload, encode_frame, encode_payload, iter_frames
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import Journal
 from tests.kvwatch.views import render_all, sample
 
 LONG = int(os.environ.get("KVWATCH_FUZZ_EXAMPLES", "0"))

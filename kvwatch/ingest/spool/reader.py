@@ -53,10 +53,10 @@ from kvspool.records import (
     stopped_before_read,
 )
 from kvspool.writer import PRIVATE_SUFFIX
-from kvwatch.incidents import NOT_READS, Joiner
-from kvwatch.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
-from kvwatch.spoolowner import Ignored, OwnerRule, user_name
-from kvwatch.state import Producer, Segment, State
+from kvwatch.ingest.spool.owner import Ignored, OwnerRule, user_name
+from kvwatch.store.incident import NOT_READS, Joiner
+from kvwatch.store.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
+from kvwatch.store.state import Producer, Segment, State
 
 SEGMENT_NAME: Final = re.compile(
     r"^([A-Za-z0-9_-]{1,200})\.([0-9]{1,12})" + re.escape(SEGMENT_SUFFIX) + "$"
@@ -642,7 +642,7 @@ class SpoolReader:
 
     def _exposures(self, producer: Producer, record: Event, ts: float, incident: int) -> None:
         """The reader -> source edges of an event, and the exposed requests it counts as
-        :func:`kvwatch.incidents.counts` does: each named source once, and an incident's
+        :func:`kvwatch.store.incident.counts` does: each named source once, and an incident's
         sources counted only in ``other_sources`` (the most any of its findings says)."""
         name, seq = producer.name, record.seq
         named: list[tuple[str, str]] = []

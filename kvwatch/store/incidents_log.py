@@ -1,5 +1,5 @@
 """The incidents log: every finding the journal commits, once, as one JSON line (the findings
-of one incident share its node and request id: ``kvwatch.incidents.group`` joins them).
+of one incident share its node and request id: ``kvwatch.store.incident.group`` joins them).
 
 The file a log shipper (Grafana Alloy, Promtail, Fluent Bit) tails into Loki, and that
 ``kvwatch incidents --incidents-log`` reads back for a fleet-wide list. Each line is an
@@ -43,7 +43,7 @@ from kvspool.records import (
     Text,
     Timestamp,
 )
-from kvwatch.journal import ExposureRow, IncidentRow, Journal
+from kvwatch.store.journal import ExposureRow, IncidentRow, Journal
 
 #: The line format's version (``v``).
 LOG_VERSION: Final = 1

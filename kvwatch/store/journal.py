@@ -24,7 +24,7 @@ from typing import Any, Final, NamedTuple, Protocol, get_args, get_type_hints
 import msgspec
 
 from kvspool.records import CounterSeries
-from kvwatch.state import (
+from kvwatch.store.state import (
     LabelKey,
     Producer,
     Segment,

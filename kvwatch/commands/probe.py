@@ -366,7 +366,7 @@ def target_from_args(args: argparse.Namespace) -> tuple[int, int | None]:
     if args.pool_tokens and args.context_length_tokens:
         return aim(args.pool_tokens, args.context_length_tokens), args.pool_tokens
     if args.from_logs:
-        from kvwatch.checklogs import smallest_band_from_files
+        from kvwatch.commands.check_logs import smallest_band_from_files
 
         pool, context = smallest_band_from_files(args.from_logs)
         return aim(pool, context), pool
@@ -376,7 +376,7 @@ def target_from_args(args: argparse.Namespace) -> tuple[int, int | None]:
 
 
 def add_parser(commands: Any) -> None:
-    from kvwatch.clihelp import Formatter, number
+    from kvwatch.commands.clihelp import Formatter, number
 
     tokens = number(1, 1 << 30, whole=True)
 

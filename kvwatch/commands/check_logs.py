@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from kvspool.catalogue import unsafe_band
-from kvwatch.logparse import LogParser
+from kvwatch.ingest.logs.parse import LogParser
 
 EXIT_OK = 0
 EXIT_BAND = 1

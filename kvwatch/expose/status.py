@@ -31,10 +31,10 @@ from typing import Any
 from kvspool.catalogue import unsafe_band
 from kvspool.records import stopped_before_read
 from kvwatch import __version__
-from kvwatch import incidents as incident_model
-from kvwatch.journal import AckRow, Journal, JournalError
-from kvwatch.metrics import engine_views
-from kvwatch.state import State
+from kvwatch.expose.metrics import engine_views
+from kvwatch.store import incident as incident_model
+from kvwatch.store.journal import AckRow, Journal, JournalError
+from kvwatch.store.state import State
 
 LATEST_INCIDENTS = 50
 REFRESH_SECONDS = 5
@@ -81,7 +81,7 @@ class Alarm:
     lost records it covers, those an operator acknowledged set apart."""
 
     settings: AlarmSettings
-    #: Unacknowledged incidents in the alarm's scope (:func:`kvwatch.incidents.group`).
+    #: Unacknowledged incidents in the alarm's scope (:func:`kvwatch.store.incident.group`).
     open: tuple[dict[str, Any], ...] = ()
     acknowledged: int = 0
     lost_records: int = 0
@@ -108,7 +108,7 @@ class Alarm:
 
 
 def covers(ack: AckRow, incident: dict[str, Any]) -> bool:
-    """Whether ``ack`` acknowledges ``incident`` (:class:`kvwatch.journal.AckRow`)."""
+    """Whether ``ack`` acknowledges ``incident`` (:class:`kvwatch.store.journal.AckRow`)."""
     ids = [f.get("id") for f in incident["findings"]]
     if None in ids or not ids:  # not from this journal (a gap, a log line): by time
         if incident["last_time"] > ack.ts:

@@ -2,10 +2,11 @@
 disclosure team.
 
 A *finding* is one detector's event: one spool record, one row of the journal's ``incidents``
-table, one line of the incidents log. Rows come from :meth:`kvwatch.journal.Journal.incidents`
-or from an incidents log (:mod:`kvwatch.incidents_log`), in one shape; several of them merge into
-one fleet-wide list, a finding found in both a journal and a log counted once (by node, producer
-and sequence number, which name one spool record).
+table, one line of the incidents log. Rows come from
+:meth:`kvwatch.store.journal.Journal.incidents` or from an incidents log
+(:mod:`kvwatch.store.incidents_log`), in one shape; several of them merge into one fleet-wide
+list, a finding found in both a journal and a log counted once (by node, producer and sequence
+number, which name one spool record).
 
 An *incident* is one affected request instance: its findings, grouped by :func:`group` (see
 :data:`JOIN_SECONDS` for the rule), and its sources (the distinct requests whose KV it
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from typing import Any, Final, TextIO
 
 from kvspool.records import stopped_before_read
-from kvwatch.incidents_log import iso
+from kvwatch.store.incidents_log import iso
 
 _COLUMNS = (
     "ID",

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvspool import catalogue
 from kvwatch import __version__
-from kvwatch.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS, FirstN, LabelKey, State
+from kvwatch.store.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS, FirstN, LabelKey, State
 
 _ROLE, _ENGINE = catalogue.ROLE.bound, catalogue.ENGINE.bound
 _ENGINE_LABELS: Final = catalogue.ENGINE_LABELS

@@ -1,0 +1,2 @@
+"""Outputs people and Prometheus read: ``/metrics`` (``metrics``), the status page and its
+server (``status``)."""
