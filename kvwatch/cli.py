@@ -34,7 +34,7 @@ from kvwatch.commands.clihelp import (
     paint,
     use_colour,
 )
-from kvwatch.store.incident import EXPOSED_VERSION
+from kvwatch.commands.incidents import EXPOSED_VERSION
 
 # What `incidents` filters on: the catalogue's names ("other" is no detector or kind of its own).
 DETECTORS = tuple(v for v in DETECTOR.sorted_values if v != OTHER)
@@ -179,8 +179,10 @@ def _log_problem(path: str) -> str | None:
 
 
 def _incidents(args: argparse.Namespace) -> int:
+    from kvwatch.commands import incidents as views
     from kvwatch.store import incident as incidents
     from kvwatch.store import incidents_log
+    from kvwatch.store.incident import Finding
     from kvwatch.store.journal import Journal, JournalError
 
     now = time.time()
@@ -200,7 +202,7 @@ def _incidents(args: argparse.Namespace) -> int:
         problem = _log_problem(path)
         if problem:
             return fail("incidents", problem)
-    found: list[list[dict[str, Any]]] = []
+    found: list[list[Finding]] = []
     for path in journals:
         try:
             journal = Journal(path, readonly=True)
@@ -232,10 +234,10 @@ def _incidents(args: argparse.Namespace) -> int:
     rows = incidents.merge(found, since=since, until=until, detector=args.detector, kind=args.kind)
     grouped = incidents.group(rows)
     if args.exposed:
-        view = incidents.exposure(grouped, since=since, until=until)
-        incidents.render_exposure(view, sys.stdout, as_json=args.json)
+        view = views.exposure(grouped, since=since, until=until)
+        views.render_exposure(view, sys.stdout, as_json=args.json)
     else:
-        incidents.render(grouped, sys.stdout, as_json=args.json)
+        views.render(grouped, sys.stdout, as_json=args.json)
     return 1 if read.skipped else 0
 
 

@@ -180,6 +180,11 @@ class Daemon:
             self._unlock()
             self._remove_created()
             raise
+        log_path = config.incidents_log_path
+        self.incidents_log = log_path and IncidentsLog(
+            log_path, max_bytes=config.incidents_log_max_bytes, keep=config.incidents_log_keep
+        )
+        # spool -> journal; what each commit stored -> the incidents log (drained each round).
         self.reader = SpoolReader(
             config.spool_dir,
             self.journal,
@@ -189,12 +194,9 @@ class Daemon:
             quarantine_dir=config.quarantine,
             quarantine_max=config.quarantine_max,
             node=config.node_name,
+            on_stored=self.incidents_log.committed if self.incidents_log else None,
         )
         self.logs = LogWatcher(config.logs, self.state)
-        log_path = config.incidents_log_path
-        self.incidents_log = log_path and IncidentsLog(
-            log_path, max_bytes=config.incidents_log_max_bytes, keep=config.incidents_log_keep
-        )
         if self.incidents_log:
             # Where the log stands, before the first poll stores incidents (ids may be reused).
             try:
@@ -384,6 +386,8 @@ class Daemon:
                     records_retention=min(self.config.records_retention, self.config.retention),
                 )
                 ok = True
+                if self.incidents_log:  # journal -> incidents log: ids below may come again
+                    self.incidents_log.pruned(now - self.config.retention)
                 if deleted:
                     self.log.info("journal.pruned", rows=deleted)
             except Exception as exc:

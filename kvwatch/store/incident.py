@@ -1,52 +1,108 @@
-"""``kvwatch incidents``: the affected requests, from journals and incidents logs, for the
-disclosure team.
+"""The incident model: the one shape of a finding (:class:`Finding`), the join rule that groups
+findings into incidents (:class:`Joiner`, :func:`group`) and the counts every view shows
+(:func:`counts`).
 
 A *finding* is one detector's event: one spool record, one row of the journal's ``incidents``
-table, one line of the incidents log. Rows come from
-:meth:`kvwatch.store.journal.Journal.incidents` or from an incidents log
-(:mod:`kvwatch.store.incidents_log`), in one shape; several of them merge into one fleet-wide
-list, a finding found in both a journal and a log counted once (by node, producer and sequence
-number, which name one spool record).
+table, one line of the incidents log, always a :class:`Finding`. The spool reader builds it, the
+journal's columns derive from its fields, the incidents log encodes it, the journal's queries and
+the log's reader return it; several lists of them merge into one fleet-wide list (:func:`merge`),
+a finding found in both a journal and a log counted once (by node, producer and sequence number,
+which name one spool record).
 
 An *incident* is one affected request instance: its findings, grouped by :func:`group` (see
 :data:`JOIN_SECONDS` for the rule), and its sources (the distinct requests whose KV it
 received). Every count an operator reads (the status headline, ``kvwatch status``, the pages,
-this command's table and JSON, ``--exposed``) counts incidents and exposed requests through
-:func:`counts`. ``--exposed`` turns the list into the disclosure view: who received other
-requests' KV (readers), whose KV was received (sources), and how many pages.
+``kvwatch incidents``' table and JSON, ``--exposed``) counts incidents and exposed requests
+through :func:`counts`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from typing import Any, Final, TextIO
+from typing import Annotated, Any, Final
 
-from kvspool.records import stopped_before_read
-from kvwatch.store.incidents_log import iso
+from msgspec import Meta, Struct, structs
 
-_COLUMNS = (
-    "ID",
-    "FIRST SEEN (UTC)",
-    "NODE",
-    "ROLE",
-    "ENGINE",
-    "REQUEST",
-    "INSTANCE",
-    "FINDINGS",
-    "EXPOSED",
-    "PAGES",
+from kvspool.records import (
+    MAX_DETAIL_ITEMS,
+    MAX_EVENT_PAGES,
+    MAX_EVENT_SOURCES,
+    Count,
+    Int64,
+    Seq,
+    Source,
+    Text,
+    Timestamp,
+    stopped_before_read,
 )
-_SHOWN_PAGES = 8
+
+
+class Finding(Struct, gc=False):
+    """One finding, wherever it is: built by the spool reader from an ``event`` record and its
+    producer's ``hello``, stored by the journal (one column per field but ``id`` and
+    ``sources``, which are the row's id and its ``exposures`` rows), written by the incidents
+    log (one line: these fields in this order, after ``v`` and ``journal``, with ``time``
+    after ``ts``) and read back from either. Adding a field here adds a journal column and a
+    log field; its renderers (``kvwatch incidents``, the status page) show what they choose.
+
+    Positional, no defaults: the reader builds one per event on its hot path."""
+
+    #: The journal's id (the reader's findings: None until stored).
+    id: Annotated[int, Meta(ge=0)] | None
+    #: Unix seconds (the record's, or the daemon's clock for one outside its window).
+    ts: Timestamp
+    #: The daemon's ``node`` setting; the producer and the record's sequence number.
+    node: Text
+    producer: Text
+    seq: Seq
+    #: The producer's ``hello``.
+    role: Text
+    engine: Text
+    engine_version: Text
+    model: Text
+    rank: Int64
+    #: The reader: its request id and instance (one per admission, where the engine knows it).
+    request_id: Text
+    instance: Text | None
+    detector: Text
+    kind: Text
+    mode: Text
+    action: Text
+    #: The pages (at most 256 named) and their count.
+    pages: Annotated[list[Int64], Meta(max_length=MAX_EVENT_PAGES)]
+    pages_total: Count
+    #: Whose KV the pages held, most pages first (stable), and the count of the unnamed rest.
+    sources: Annotated[list[Source], Meta(max_length=MAX_EVENT_SOURCES)]
+    other_sources: Count
+    other_source_pages: Count
+    #: The detector's counts and names, keys sorted (as the journal and the log hold them).
+    detail: Annotated[dict[Text, Int64 | Text], Meta(max_length=MAX_DETAIL_ITEMS)]
+
+
+#: The fields of a finding (the journal's columns but ``id`` and ``sources``, the log's line).
+FINDING_FIELDS: Final = Finding.__struct_fields__
+
+
+def sorted_sources(sources: list[Source]) -> list[Source]:
+    """``sources`` most pages first, ties in their order (what the journal and the log hold)."""
+    if len(sources) < 2:
+        return sources
+    return sorted(sources, key=lambda s: -s.pages)
+
+
+def sorted_detail(detail: dict[str, Any]) -> dict[str, Any]:
+    """``detail`` with its keys sorted (what the journal and the log hold)."""
+    if len(detail) < 2:
+        return detail
+    return dict(sorted(detail.items()))
+
+
 #: Kinds whose request read nothing: a write into a free page is its late writer's (older
 #: producers named the page's next owner there, with the writer as a source). A read of such
 #: a page before it is overwritten is a finding of its own. A finding of any kind whose
 #: ``detail`` says :data:`kvspool.records.STOPPED_BEFORE_READ` names no reader either: enforce
 #: mode failed its request before it read.
 NOT_READS: Final = frozenset({"write_to_free_page"})
-#: The disclosure view's JSON format (``--exposed --json``): its ``v``. 2: a reader is an
-#: incident (``findings``, ``id``); ``counts`` counts incidents, not findings, and ``exposed``.
-EXPOSED_VERSION: Final = 2
 #: The join rule of :func:`group`. A request id is not an identity (clients reuse ids) and an
 #: instance is one admission on one side (prefill and decode each mint theirs, and decode's
 #: admission check and its reservation may be two), so neither alone names the affected request.
@@ -58,36 +114,37 @@ EXPOSED_VERSION: Final = 2
 JOIN_SECONDS: Final = 60.0
 
 
-def identity(row: dict[str, Any]) -> tuple[str, str, int]:
+def identity(finding: Finding) -> tuple[str, str, int]:
     """What names one finding anywhere: its node, producer and the record's sequence number."""
-    return (row["node"] or "", row["producer"], row["seq"])
+    return (finding.node or "", finding.producer, finding.seq)
 
 
 def merge(
-    sources: Iterable[list[dict[str, Any]]],
+    sources: Iterable[list[Finding]],
     *,
     since: float | None = None,
     until: float | None = None,
     detector: str | None = None,
     kind: str | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Finding]:
     """One time-ordered list of findings from several journals and logs, each finding once."""
-    seen: dict[tuple[str, str, int], dict[str, Any]] = {}
-    for rows in sources:
-        for row in rows:
-            if since is not None and row["time"] < since:
+    seen: dict[tuple[str, str, int], Finding] = {}
+    for findings in sources:
+        for finding in findings:
+            if since is not None and finding.ts < since:
                 continue
-            if until is not None and row["time"] >= until:
+            if until is not None and finding.ts >= until:
                 continue
-            if detector is not None and row["detector"] != detector:
+            if detector is not None and finding.detector != detector:
                 continue
-            if kind is not None and row["kind"] != kind:
+            if kind is not None and finding.kind != kind:
                 continue
-            seen.setdefault(identity(row), row)
-    return sorted(seen.values(), key=lambda r: (r["time"], identity(r)))
+            seen.setdefault(identity(finding), finding)
+    return sorted(seen.values(), key=lambda f: (f.ts, identity(f)))
 
 
-def _source_key(source: dict[str, Any]) -> tuple[str, str]:
+def source_key(source: dict[str, Any]) -> tuple[str, str]:
+    """A source as an incident's views key it: its request id and instance."""
     return (source["request_id"], source["instance"] or "")
 
 
@@ -145,45 +202,43 @@ class Joiner:
         return key, new
 
 
-def group(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def group(findings: list[Finding]) -> list[dict[str, Any]]:
     """The incidents of ``findings`` (time-ordered, as :func:`merge` gives them), in order of
     their first finding. The join rule: :class:`Joiner`."""
     incidents: list[dict[str, Any]] = []
     by_key: dict[int, dict[str, Any]] = {}
     joiner = Joiner()
     for row in findings:
-        what = (row["role"], row["detector"], row["kind"])
-        key, new = joiner.join(
-            row["node"] or "", row["request_id"], row["instance"] or "", what, row["time"]
-        )
+        what = (row.role, row.detector, row.kind)
+        key, new = joiner.join(row.node or "", row.request_id, row.instance or "", what, row.ts)
         if new:
             incident = by_key[key] = _new_incident(row)
             incidents.append(incident)
         _add_finding(by_key[key], row)
     for incident in incidents:
         incident["sources"] = sorted(
-            incident["sources"].values(), key=lambda s: (-s["pages"], _source_key(s))
+            incident["sources"].values(), key=lambda s: (-s["pages"], source_key(s))
         )
         incident["exposed"] = len(incident["sources"]) + incident["other_sources"]
     return incidents
 
 
-def _new_incident(row: dict[str, Any]) -> dict[str, Any]:
+def _new_incident(row: Finding) -> dict[str, Any]:
     return {
-        "id": row.get("id"),
-        "node": row["node"] or "",
-        "request_id": row["request_id"],
-        "instance": row["instance"],
+        "id": row.id,
+        "node": row.node or "",
+        "request_id": row.request_id,
+        "instance": row.instance,
         "instances": [],
         "roles": [],
-        "role": row["role"],
-        "engine": row["engine"],
-        "engine_version": row["engine_version"],
-        "model": row["model"],
-        "producer": row["producer"],
-        "time": row["time"],
-        "first_time": row["time"],
-        "last_time": row["time"],
+        "role": row.role,
+        "engine": row.engine,
+        "engine_version": row.engine_version,
+        "model": row.model,
+        "producer": row.producer,
+        "time": row.ts,
+        "first_time": row.ts,
+        "last_time": row.ts,
         "detectors": [],
         "pages_total": 0,
         "findings": [],
@@ -194,16 +249,25 @@ def _new_incident(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-_FINDING_FIELDS: Final = (
+#: A finding's fields an incident's ``findings`` show (its producer's labels are the incident's).
+_SHOWN_FIELDS: Final = (
     "id", "time", "role", "producer", "seq", "instance", "detector", "kind", "mode", "action",
     "pages", "pages_total", "detail", "sources", "other_sources", "other_source_pages",
 )  # fmt: skip
 
 
-def _add_finding(incident: dict[str, Any], row: dict[str, Any]) -> None:
-    incident["findings"].append({k: row.get(k) for k in _FINDING_FIELDS})
+def finding_view(finding: Finding) -> dict[str, Any]:
+    """A finding as an incident's views show it (JSON-ready): ``time`` is its ``ts``."""
+    view = {name: getattr(finding, "ts" if name == "time" else name) for name in _SHOWN_FIELDS}
+    view["sources"] = [structs.asdict(s) for s in finding.sources]
+    return view
+
+
+def _add_finding(incident: dict[str, Any], finding: Finding) -> None:
+    row = finding_view(finding)
+    incident["findings"].append(row)
     incident["last_time"] = max(incident["last_time"], row["time"])
-    if row.get("id") is not None and (incident["id"] is None or row["id"] < incident["id"]):
+    if row["id"] is not None and (incident["id"] is None or row["id"] < incident["id"]):
         incident["id"] = row["id"]
     for name, value in (("instances", row["instance"]), ("roles", row["role"])):
         if value and value not in incident[name]:
@@ -215,17 +279,17 @@ def _add_finding(incident: dict[str, Any], row: dict[str, Any]) -> None:
         return
     # Stopped before it read (enforce, at a check ahead of the read): the pages' holders are
     # kept in the finding, but nobody's KV reached the request: no source, not exposed.
-    read = not stopped_before_read(row.get("detail"))
+    read = not stopped_before_read(row["detail"])
     sourced = read and bool(row["sources"] or row["other_sources"])
     named = bool(incident["sources"] or incident["other_sources"])
     # The reader names the incident: the side whose pages held other requests' KV, else the
     # decode side (which reads what prefill sent), else the first finding's.
     if not named and (sourced or (row["role"] == "decode" != incident["role"])):
         for name in ("instance", "role", "engine", "engine_version", "model", "producer"):
-            incident[name] = row[name]
+            incident[name] = getattr(finding, name)
     if sourced:
         for source in row["sources"]:
-            key = _source_key(source)
+            key = source_key(source)
             kept = incident["sources"].get(key)
             if kept is None:
                 incident["sources"][key] = dict(source)
@@ -241,223 +305,8 @@ def _add_finding(incident: dict[str, Any], row: dict[str, Any]) -> None:
 def counts(incidents: list[dict[str, Any]]) -> dict[str, int]:
     """What every view says: ``affected`` requests (incidents) and ``exposed`` requests (the
     distinct sources on their node, and the ones only counted, beyond the 16 an event names)."""
-    named = {(i["node"], *_source_key(s)) for i in incidents for s in i["sources"]}
+    named = {(i["node"], *source_key(s)) for i in incidents for s in i["sources"]}
     return {
         "affected": len(incidents),
         "exposed": len(named) + sum(i["other_sources"] for i in incidents),
     }
-
-
-def render(incidents: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> None:
-    if as_json:
-        stamped = [
-            {
-                **i,
-                "time_iso": iso(i["time"]),
-                "last_time_iso": iso(i["last_time"]),
-            }
-            for i in incidents
-        ]
-        out.write(json.dumps(stamped, sort_keys=True, indent=2) + "\n")
-        return
-    table: list[tuple[str, ...]] = [_COLUMNS]
-    for i in incidents:
-        findings = ", ".join(
-            f"{f['role']} {f['detector']} {f['kind']}" for f in i["findings"][:_SHOWN_FINDINGS]
-        )
-        if len(i["findings"]) > _SHOWN_FINDINGS:
-            findings += f", +{len(i['findings']) - _SHOWN_FINDINGS} more"
-        table.append(
-            (
-                "-" if i["id"] is None else str(i["id"]),
-                iso(i["time"]),
-                i["node"] or "-",
-                i["role"] or "-",
-                i["engine"] or "-",
-                i["request_id"] or "-",
-                i["instance"] or "-",
-                findings,
-                str(i["exposed"]),
-                _pages(i),
-            )
-        )
-    _table(table, out)
-    total = counts(incidents)
-    out.write(  # an incident is an affected request: its count last, as before
-        f"{sum(len(i['findings']) for i in incidents)} finding(s), "
-        f"{total['exposed']} exposed request(s), {total['affected']} incident(s)\n"
-    )
-
-
-_SHOWN_FINDINGS = 4
-
-
-def _pages(incident: dict[str, Any]) -> str:
-    """The pages of the finding that named the most."""
-    widest = max(incident["findings"], key=lambda f: f["pages_total"])
-    pages = [str(p) for p in widest["pages"][:_SHOWN_PAGES]]
-    text = ",".join(pages)
-    if widest["pages_total"] > len(pages):
-        text += f",... ({widest['pages_total']} pages)"
-    return text or "-"
-
-
-def printable(text: str) -> str:
-    """``text`` safe for a terminal: each non-printable character (C0 and C1 controls, DEL,
-    newlines, tabs, bidi overrides) written as ``repr`` writes it (``\\x1b``, ``\\n``).
-
-    Ids and node names come from other nodes' logs and engines' requests: raw, they could clear
-    the screen, retitle the terminal or forge rows.
-    """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def _table(table: list[tuple[str, ...]], out: TextIO) -> None:
-    # Every text view writes through here: each cell made printable once.
-    table = [tuple(printable(c) for c in r) for r in table]
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
-    for r in table:
-        cells = [c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)]
-        out.write("  ".join([*cells, r[-1]]).rstrip() + "\n")
-
-
-# -- the disclosure view ----------------------------------------------------------------------
-
-
-def exposure(
-    incidents: list[dict[str, Any]], *, since: float | None, until: float | None
-) -> dict[str, Any]:
-    """The disclosure view of ``incidents`` (:func:`group`; format :data:`EXPOSED_VERSION`).
-
-    ``readers``: each incident whose request received other requests' KV, with its node, role,
-    engine and instance (the reading side's), the pages its findings named (the most any one
-    finding named) and its sources. ``sources``: each request whose KV was received, with the
-    pages received (summed over readers) and which readers. A source is known by its request
-    id and instance on the reader's node (a KV pool is one node's). ``unnamed_sources``: the
-    sources a finding only counted (beyond the 16 an event names). Pages of one reader-source
-    pair found by several detectors count once: the most any one finding named. ``counts``:
-    ``incidents`` and ``exposed`` are :func:`counts`' ``affected`` and ``exposed``.
-    """
-    readers: list[dict[str, Any]] = []
-    sources: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for incident in incidents:
-        if not incident["sources"] and not incident["other_sources"]:
-            continue
-        node = incident["node"]
-        reader = {
-            name: incident[name]
-            for name in (
-                "id", "request_id", "instance", "node", "role", "engine", "engine_version",
-                "model", "producer", "detectors", "other_sources", "other_source_pages",
-            )
-        }  # fmt: skip
-        reader["first_time"] = incident["first_time"]
-        reader["last_time"] = incident["last_time"]
-        reader["first_time_iso"] = iso(incident["first_time"])
-        reader["last_time_iso"] = iso(incident["last_time"])
-        reader["pages"] = incident["pages_total"]
-        reader["findings"] = len(incident["findings"])
-        reader["sources"] = [
-            {"request_id": s["request_id"], "instance": s["instance"], "pages": s["pages"]}
-            for s in incident["sources"]
-        ]
-        readers.append(reader)
-        for source in incident["sources"]:
-            entry = sources.setdefault(
-                (node, *_source_key(source)),
-                {
-                    "request_id": source["request_id"],
-                    "instance": source["instance"],
-                    "node": node,
-                    "last_written": 0.0,
-                    "readers": [],
-                },
-            )
-            entry["last_written"] = max(entry["last_written"], source["written_at"])
-            entry["readers"].append(
-                {
-                    "request_id": incident["request_id"],
-                    "instance": incident["instance"],
-                    "pages": source["pages"],
-                }
-            )
-    source_list = []
-    for source in sources.values():
-        source["readers"].sort(key=lambda r: (-r["pages"], r["request_id"]))
-        source["pages"] = sum(r["pages"] for r in source["readers"])
-        source_list.append(source)
-    readers.sort(key=lambda r: (r["first_time"], r["node"], r["request_id"]))
-    source_list.sort(key=lambda s: (-s["pages"], s["node"], s["request_id"]))
-    unnamed = sum(r["other_sources"] for r in readers)
-    unnamed_pages = sum(r["other_source_pages"] for r in readers)
-    total = counts(incidents)
-    return {
-        "v": EXPOSED_VERSION,
-        "since": since,
-        "until": until,
-        "readers": readers,
-        "sources": source_list,
-        "counts": {
-            "incidents": total["affected"],
-            "exposed": total["exposed"],
-            "readers": len(readers),
-            "sources": len(source_list),
-            "unnamed_sources": unnamed,
-            "unnamed_source_pages": unnamed_pages,
-            "pages": sum(s["pages"] for s in source_list) + unnamed_pages,
-        },
-    }
-
-
-def render_exposure(view: dict[str, Any], out: TextIO, *, as_json: bool) -> None:
-    if as_json:
-        out.write(json.dumps(view, sort_keys=True, indent=2) + "\n")
-        return
-    window = (
-        f"{iso(view['since']) if view['since'] is not None else 'the start of the journal'}"
-        f" to {iso(view['until']) if view['until'] is not None else 'now'}"
-    )
-    out.write(f"Exposed requests, {window}\n\n")
-    out.write("READERS: requests that received other requests' KV\n")
-    table: list[tuple[str, ...]] = [
-        ("FIRST SEEN (UTC)", "NODE", "ROLE", "ENGINE", "REQUEST", "INSTANCE", "PAGES", "SOURCES")
-    ]
-    for r in view["readers"]:
-        named = ", ".join(f"{s['request_id']} ({s['pages']})" for s in r["sources"])
-        if r["other_sources"]:
-            named += f"{', ' if named else ''}+{r['other_sources']} more"
-        table.append(
-            (
-                r["first_time_iso"],
-                r["node"] or "-",
-                r["role"] or "-",
-                r["engine"] or "-",
-                r["request_id"],
-                r["instance"] or "-",
-                str(r["pages"]),
-                named or "-",
-            )
-        )
-    _table(table, out)
-    out.write("\nSOURCES: requests whose KV was received\n")
-    table = [("NODE", "REQUEST", "INSTANCE", "PAGES", "READERS")]
-    for s in view["sources"]:
-        table.append(
-            (
-                s["node"] or "-",
-                s["request_id"],
-                s["instance"] or "-",
-                str(s["pages"]),
-                ", ".join(f"{r['request_id']} ({r['pages']})" for r in s["readers"]),
-            )
-        )
-    _table(table, out)
-    tally = view["counts"]
-    out.write(
-        f"\n{tally['readers']} reader(s), {tally['sources']} named source(s)"
-        f" and {tally['unnamed_sources']} unnamed, {tally['pages']} page(s) of theirs read;"
-        f" {tally['incidents']} incident(s) (affected requests),"
-        f" {tally['exposed']} exposed request(s)\n"
-    )

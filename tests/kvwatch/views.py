@@ -7,12 +7,16 @@ from __future__ import annotations
 import io
 import math
 import re
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvspool import Source
+from kvwatch.commands import incidents as views
 from kvwatch.expose import status as statuspage
 from kvwatch.expose.metrics import KvwatchCollector
 from kvwatch.store import incident as incidents
+from kvwatch.store.incident import Finding
 from kvwatch.store.journal import Journal
 from kvwatch.store.state import State
 
@@ -33,10 +37,10 @@ def render_all(state: State, journal: Journal) -> str:
     page = statuspage.render(state, alarm, rows[-20:][::-1], acks=journal.acks())
     assert "<html" in page.lower()
     out = io.StringIO()
-    incidents.render(rows, out, as_json=False)
-    incidents.render(rows, out, as_json=True)
+    views.render(rows, out, as_json=False)
+    views.render(rows, out, as_json=True)
     assert f"{len(rows)} incident(s)" in out.getvalue()
-    incidents.exposure(rows, since=None, until=None)
+    views.exposure(rows, since=None, until=None)
     return text
 
 
@@ -47,3 +51,11 @@ def sample(text: str, name: str, labels: str = "") -> float:
         if match and match.group(1) == name and (match.group(2) or "") == labels:
             return float(match.group(3))
     return 0.0
+
+
+def as_finding(row: dict[str, Any]) -> Finding:
+    """A finding written as the views show it (``time``, sources as dicts)."""
+    fields = dict(row)
+    fields["ts"] = fields.pop("time")
+    fields["sources"] = [Source(**source) for source in fields["sources"]]
+    return Finding(**fields)

@@ -200,7 +200,7 @@ def test_spool_reader_never_raises(bodies: list[bytes], good_records: int, junk:
             reader.poll()
             assert not list(spool.glob("fz.*.kvs"))  # finished: nothing wedged
             assert not list(spool.glob("good-*.kvs"))
-            committed = {i["request_id"] for i in journal.incidents() if i["producer"] == good.name}
+            committed = {i.request_id for i in journal.incidents() if i.producer == good.name}
             assert committed == {f"good-{i}" for i in range(good_records)}
             render_all(state, journal)
         finally:

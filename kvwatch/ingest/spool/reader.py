@@ -30,13 +30,12 @@ import sqlite3
 import stat
 import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
 import structlog
 
 from kvspool import SchemaError, catalogue, decode_payload, iter_frames
@@ -54,8 +53,8 @@ from kvspool.records import (
 )
 from kvspool.writer import PRIVATE_SUFFIX
 from kvwatch.ingest.spool.owner import Ignored, OwnerRule, user_name
-from kvwatch.store.incident import NOT_READS, Joiner
-from kvwatch.store.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
+from kvwatch.store.incident import NOT_READS, Finding, Joiner, sorted_detail, sorted_sources
+from kvwatch.store.journal import Batch, Journal, RejectRow, Stored
 from kvwatch.store.state import Producer, Segment, State
 
 SEGMENT_NAME: Final = re.compile(
@@ -83,7 +82,6 @@ _PRIVATE_NAME: Final = re.compile(
     r"^\.[A-Za-z0-9_-]{1,200}\.[0-9]{1,12}" + re.escape(SEGMENT_SUFFIX + PRIVATE_SUFFIX) + "$"
 )
 _DETECTOR, _ROLE, _KIND = catalogue.DETECTOR.bound, catalogue.ROLE.bound, catalogue.KIND.bound
-_encode_json: Final = msgspec.json.Encoder(order="sorted").encode
 #: Incidents the reader remembers to count each once (``kvwatch_affected_requests_total``):
 #: more than join in any minute but a storm; a later finding of one forgotten counts it again.
 #: A thousand cost ~0.7 MB (test_cardinality holds the daemon's memory flat under fresh ids).
@@ -91,7 +89,7 @@ _JOINED_MAX: Final = 1024
 #: Exposed requests the reader remembers to count each once (``kvwatch_exposed_requests_total``).
 _EXPOSED_SEEN_MAX: Final = 16384
 #: An incident row's (detector, role, kind): the labels of ``kvwatch_incidents_total``.
-_INCIDENT_LABELS: Final = itemgetter(*map(IncidentRow._fields.index, ("detector", "role", "kind")))
+_INCIDENT_LABELS: Final = attrgetter("detector", "role", "kind")
 
 
 class _PoisonError(Exception):
@@ -150,6 +148,7 @@ class SpoolReader:
         quarantine_dir: str | os.PathLike[str] | None = None,
         quarantine_max: int = 32,
         node: str | None = None,
+        on_stored: Callable[[Stored], None] | None = None,
     ) -> None:
         self.directory = Path(directory)
         #: The node every incident row names: the daemon's ``node`` setting, else the host
@@ -157,6 +156,8 @@ class SpoolReader:
         #: hello, which names its own host).
         self.node = node or socket.gethostname()
         self.journal = journal
+        #: Handed each commit's stored findings (the daemon wires the incidents log here).
+        self.on_stored = on_stored
         self.state = state
         self.allowed_uids = frozenset(allowed_uids if allowed_uids else {os.geteuid()})
         self.owner_rule = OwnerRule(self.directory, self.allowed_uids)
@@ -595,16 +596,13 @@ class SpoolReader:
             producer.rank,
             producer.name,
         )
-        encode = _encode_json
-        # Plain tuples in IncidentRow's field order: the named tuple's constructor costs more
-        # than the rest (tests/kvwatch/test_journal.py checks the order).
-        rows: list[IncidentRow] = [
-            (
-                ts, node, role, engine, version, model, rank, name, e.seq, e.request_id,
-                e.instance, e.detector, e.kind, e.mode, e.action, encode(e.pages).decode(),
-                e.pages_total, encode(e.detail).decode() if e.detail else "{}",
-                e.other_sources, e.other_source_pages,
-            )  # type: ignore[misc]
+        by_pages, by_key = sorted_sources, sorted_detail
+        rows = [
+            Finding(
+                None, ts, node, name, e.seq, role, engine, version, model, rank, e.request_id,
+                e.instance, e.detector, e.kind, e.mode, e.action, e.pages, e.pages_total,
+                by_pages(e.sources), e.other_sources, e.other_source_pages, by_key(e.detail),
+            )
             for e, ts in self._events
         ]  # fmt: skip
         join, affected = self._joiner.join, (_ROLE(role),)
@@ -613,9 +611,9 @@ class SpoolReader:
             if new:
                 self._count("affected_requests", affected, 1)
             if e.sources or e.other_sources:
-                self._exposures(producer, e, ts, key)
+                self._exposures(producer, e, key)
         self._events.clear()
-        self._batch.incidents += rows
+        self._batch.findings += rows
         self._incidents_seen.update(map(_INCIDENT_LABELS, rows))
 
     def _count_incidents(self) -> int:
@@ -640,25 +638,11 @@ class SpoolReader:
         counted."""
         return Joiner(limit=_JOINED_MAX), {}, {}
 
-    def _exposures(self, producer: Producer, record: Event, ts: float, incident: int) -> None:
-        """The reader -> source edges of an event, and the exposed requests it counts as
-        :func:`kvwatch.store.incident.counts` does: each named source once, and an incident's
-        sources counted only in ``other_sources`` (the most any of its findings says)."""
-        name, seq = producer.name, record.seq
-        named: list[tuple[str, str]] = []
-        for source in record.sources:
-            named.append((source.request_id, source.instance or ""))
-            self._batch.exposures.append(
-                ExposureRow(
-                    name,
-                    seq,
-                    ts,
-                    source.request_id,
-                    source.instance,
-                    source.pages,
-                    source.written_at,
-                )
-            )
+    def _exposures(self, producer: Producer, record: Event, incident: int) -> None:
+        """The exposed requests an event counts, as :func:`kvwatch.store.incident.counts` does:
+        each named source once, and an incident's sources counted only in ``other_sources``
+        (the most any of its findings says). Its sources are stored with its finding."""
+        named = [(source.request_id, source.instance or "") for source in record.sources]
         if record.kind in NOT_READS:  # an older producer's late write: nobody read it
             return
         if stopped_before_read(record.detail):  # enforce failed it before it read
@@ -837,10 +821,12 @@ class SpoolReader:
         batch = self._batch
         if not batch:
             return
-        self.journal.commit(batch, self.state)
-        incidents = len(batch.incidents)
+        stored = self.journal.commit(batch, self.state)
+        incidents = len(batch.findings)
         self._batch = Batch()
         self._batch_started = time.monotonic()
+        if stored is not None and self.on_stored is not None:
+            self.on_stored(stored)
         if incidents:
             self.log.warning("spool.incidents_recorded", count=incidents)
 
