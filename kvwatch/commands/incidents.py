@@ -5,10 +5,19 @@ disclosure team. The table, the JSON and the disclosure view (``--exposed``) of 
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sqlite3
+import sys
+import time
+from pathlib import Path
 from typing import Any, Final, TextIO
 
-from kvwatch.store.incident import counts, source_key
+from kvwatch import config as configuration
+from kvwatch.commands.clihelp import add_command, fail
+from kvwatch.commands.common import DETECTORS, KINDS, choice, journal_problem, time_range
+from kvwatch.store.incident import Finding, counts, source_key
 from kvwatch.store.incidents_log import iso
 
 _COLUMNS = (
@@ -242,3 +251,153 @@ def render_exposure(view: dict[str, Any], out: TextIO, *, as_json: bool) -> None
         f" {tally['incidents']} incident(s) (affected requests),"
         f" {tally['exposed']} exposed request(s)\n"
     )
+
+
+# -- the command ------------------------------------------------------------------------------
+
+#: Skipped log lines named one by one; the rest are counted.
+_SHOWN_ERRORS = 20
+
+
+def log_problem(path: str) -> str | None:
+    from kvwatch.store.incidents_log import rotated
+
+    log = Path(path)
+    if log.is_dir():
+        return f"the incidents log {path} is a directory, not a file"
+    if log.exists() and not log.is_file():
+        return f"the incidents log {path} is not a regular file"
+    files = rotated(log)
+    if not files:
+        return f"no incidents log at {path} (give the daemon's incidents_log path)"
+    for file in files:
+        if not os.access(file, os.R_OK):
+            return f"the incidents log {file} is not readable by this user (try sudo)"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvwatch.store import incident as incidents
+    from kvwatch.store import incidents_log
+    from kvwatch.store.journal import Journal, JournalError
+
+    now = time.time()
+    try:
+        since, until = time_range(args, now)
+        choice("--detector", args.detector, DETECTORS)
+        choice("--kind", args.kind, KINDS)
+    except configuration.ConfigError as exc:
+        return fail("incidents", str(exc), 2)
+    default = [] if args.incidents_log else [configuration.DEFAULT_JOURNAL]
+    journals: list[str] = args.journal or default
+    for path in journals:
+        problem = journal_problem(path)
+        if problem:
+            return fail("incidents", problem)
+    for path in args.incidents_log or []:
+        problem = log_problem(path)
+        if problem:
+            return fail("incidents", problem)
+    found: list[list[Finding]] = []
+    for path in journals:
+        try:
+            journal = Journal(path, readonly=True)
+            try:
+                # The absolute time: a "since" given as a timestamp must not drift by the
+                # query's own latency.
+                found.append(journal.incidents(since=since, until=until, detector=args.detector))
+            finally:
+                journal.close()
+        except JournalError as exc:  # it names the journal
+            return fail("incidents", str(exc))
+        except (sqlite3.Error, OSError) as exc:
+            return fail("incidents", f"cannot read the journal {path}: {exc}")
+    read = incidents_log.ReadResult()
+    for path in args.incidents_log or []:
+        try:
+            incidents_log.read(Path(path), read)
+        except OSError as exc:
+            return fail("incidents", f"cannot read the incidents log {path}: {exc.strerror or exc}")
+    found.append(read.rows)
+    for error in read.errors[:_SHOWN_ERRORS]:
+        print(f"kvwatch incidents: {error}", file=sys.stderr)
+    if read.bad_files > 1 or len(read.errors) > _SHOWN_ERRORS:
+        print(
+            f"kvwatch incidents: {read.skipped} line(s) skipped in the incidents log(s); "
+            "every other line is listed",
+            file=sys.stderr,
+        )
+    rows = incidents.merge(found, since=since, until=until, detector=args.detector, kind=args.kind)
+    grouped = incidents.group(rows)
+    if args.exposed:
+        view = exposure(grouped, since=since, until=until)
+        render_exposure(view, sys.stdout, as_json=args.json)
+    else:
+        render(grouped, sys.stdout, as_json=args.json)
+    return 1 if read.skipped else 0
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    inc = add_command(
+        commands,
+        "incidents",
+        help="list the requests a detector flagged, or whose KV they received (--exposed)",
+        description="The affected requests, for the disclosure team: time, node, role, engine, "
+        "request id, detector, kind, exposed sources and pages. Reads the journal without "
+        "locking the daemon out. Several journals (--journal, repeated) and incidents logs "
+        "(--incidents-log, rotated files included) merge into one fleet-wide list; an incident "
+        "in both a journal and a log is listed once. --exposed prints the disclosure view: "
+        "every request that received other requests' KV (readers), every request whose KV was "
+        "received (sources), and the pages. Exit 1 when a log line could not be read (the "
+        "others are listed).",
+        examples=[
+            "kvwatch incidents --since 24h --detector canary",
+            "kvwatch incidents --exposed --since 2026-11-30T00:00:00Z --until 2026-12-01",
+            "kvwatch incidents --exposed --json --incidents-log /srv/fleet/node-*.jsonl "
+            "> disclosure.json",
+            "kvwatch incidents --journal node-a.db --journal node-b.db --since 7d",
+        ],
+    )
+    inc.add_argument(
+        "--journal",
+        action="append",
+        metavar="FILE",
+        help="a daemon's SQLite journal, repeatable "
+        f"(default: {configuration.DEFAULT_JOURNAL} when no --incidents-log is given)",
+    )
+    inc.add_argument(
+        "--incidents-log",
+        dest="incidents_log",
+        action="append",
+        metavar="FILE",
+        help="a daemon's incidents log (JSON lines; FILE.1, FILE.2 ... are read too), repeatable",
+    )
+    inc.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="only incidents since then: a duration back from now (1h, 7d) or a UTC time "
+        "(2026-11-30T14:00:00Z) (default: all)",
+    )
+    inc.add_argument(
+        "--until",
+        metavar="WHEN",
+        help="only incidents before then, as --since (default: now)",
+    )
+    inc.add_argument(
+        "--detector",
+        help=f"only this detector: {', '.join(sorted(DETECTORS))} (default: all)",
+    )
+    inc.add_argument("--kind", help=f"only this kind: {', '.join(sorted(KINDS))} (default: all)")
+    inc.add_argument(
+        "--exposed",
+        action="store_true",
+        help="the disclosure view: readers, the sources whose KV they received, pages, counts",
+    )
+    inc.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON for machines: an array of incidents, or with --exposed the disclosure view "
+        f"(format v{EXPOSED_VERSION}, docs/architecture.md)",
+    )
+
+    return inc

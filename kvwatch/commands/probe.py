@@ -260,7 +260,7 @@ def expected_seconds(
     return line.tokens_for(target_tokens) / 1e6
 
 
-def run(
+def probe(
     api: Api,
     url: str,
     target_tokens: int,
@@ -375,12 +375,12 @@ def target_from_args(args: argparse.Namespace) -> tuple[int, int | None]:
     )
 
 
-def add_parser(commands: Any) -> None:
+def add_parser(commands: Any) -> argparse.ArgumentParser:
     from kvwatch.commands.clihelp import Formatter, number
 
     tokens = number(1, 1 << 30, whole=True)
 
-    parser = commands.add_parser(
+    parser: argparse.ArgumentParser = commands.add_parser(
         "probe",
         help="send the marker test (does a long prompt read others' KV?) to a deployment you own",
         description=__doc__.replace("``", "'"),
@@ -435,7 +435,7 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="required for any URL that is not on loopback",
     )
-    parser.set_defaults(func=main)
+    return parser
 
 
 def url_problem(url: str) -> str | None:
@@ -450,7 +450,7 @@ def url_problem(url: str) -> str | None:
     return None
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     problem = url_problem(args.url)
     if problem:
         print(f"kvwatch probe: {problem}", file=sys.stderr)
@@ -474,7 +474,7 @@ def main(args: argparse.Namespace) -> int:
     api = HttpApi(args.url, args.api, args.timeout, args.model)
     try:
         counter = load_tokenizer(args.tokenizer) if args.tokenizer else None
-        report = run(
+        report = probe(
             api,
             args.url,
             target,
