@@ -203,6 +203,24 @@ def catch_up(
     return wall, cpu, daemon, samples
 
 
+def scrape(daemon: Daemon) -> None:
+    """One scrape at the default series count, against prometheus_client by itself."""
+    ours = CollectorRegistry(auto_describe=False)
+    ours.register(KvwatchCollector(daemon.state, daemon.nvml))
+    text = generate_latest(ours)
+    series = sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
+    plain = CollectorRegistry(auto_describe=False)
+    plain.register(Frozen(list(KvwatchCollector(daemon.state, daemon.nvml).collect())))
+    runs_ = 200
+    ours_s = best_of(runs_, lambda: generate_latest(ours))
+    plain_s = best_of(runs_, lambda: generate_latest(plain))
+    print(
+        f"scrape: {series} series, {len(text) / 1e3:.0f} kB: {ours_s * 1e3:.2f} ms"
+        f" (best of {runs_}); prometheus_client rendering the same families by itself"
+        f" {plain_s * 1e3:.2f} ms; ratio {ours_s / plain_s:.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=1_000_000)
@@ -268,21 +286,7 @@ def main() -> None:
         journal_mb = (disk / f"journal-{args.rounds - 1}.db").stat().st_size / 1e6
         print(f"journal: {journal_mb:.0f} MB for {total:,} records")
 
-        # One scrape at the default series count, against prometheus_client by itself.
-        ours = CollectorRegistry(auto_describe=False)
-        ours.register(KvwatchCollector(daemon.state, daemon.nvml))
-        text = generate_latest(ours)
-        series = sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
-        plain = CollectorRegistry(auto_describe=False)
-        plain.register(Frozen(list(KvwatchCollector(daemon.state, daemon.nvml).collect())))
-        runs_ = 200
-        ours_s = best_of(runs_, lambda: generate_latest(ours))
-        plain_s = best_of(runs_, lambda: generate_latest(plain))
-        print(
-            f"scrape: {series} series, {len(text) / 1e3:.0f} kB: {ours_s * 1e3:.2f} ms"
-            f" (best of {runs_}); prometheus_client rendering the same families by itself"
-            f" {plain_s * 1e3:.2f} ms; ratio {ours_s / plain_s:.2f}"
-        )
+        scrape(daemon)
         daemon.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)

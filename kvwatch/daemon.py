@@ -204,18 +204,12 @@ class Daemon:
             except (OSError, sqlite3.Error) as exc:
                 self.log.error("incidents_log.recover_failed", path=log_path, error=_reason(exc))
         try:
-            # The fast path to Alertmanager reads the same samples /metrics serves.
-            self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
+            self._outputs(config)
         except ConfigError as exc:
             self.journal.close()
             self._unlock()
             self._remove_created()
             raise DaemonError(str(exc)) from None
-        self.nvml = Nvml(config.nvml)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(KvwatchCollector(self.state, self.nvml))
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
         self.stop = threading.Event()
         #: Set once the journal is open and the first poll is committed (``/-/ready``).
         self.ready = threading.Event()
@@ -228,6 +222,16 @@ class Daemon:
         self._next_prune = 0.0
         self._last_prune = 0.0
         self._failures = 0
+
+    def _outputs(self, config: Config) -> None:
+        """state -> the pager (the fast path to Alertmanager, on the same samples /metrics
+        serves) and state + NVML (read at scrape time) -> /metrics."""
+        self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
+        self.nvml = Nvml(config.nvml)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(KvwatchCollector(self.state, self.nvml))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
     # -- lifecycle ----------------------------------------------------------------------------
 

@@ -9,6 +9,12 @@ from typing import Any
 from kvwatch import config as configuration
 from kvwatch.commands.clihelp import add_command, fail
 
+#: The settings a flag of the same name overrides (when given).
+_OVERRIDES = (
+    "spool_dir", "journal", "listen", "retention", "records_retention", "incidents_log", "node",
+    "poll_interval", "idle_grace",
+)  # fmt: skip
+
 
 def run(args: argparse.Namespace) -> int:
     from kvwatch import logsetup
@@ -17,22 +23,9 @@ def run(args: argparse.Namespace) -> int:
     logsetup.configure(args.log_level, fmt=args.log_format)
     try:
         config = configuration.load(args.config)
-        overrides: dict[str, object] = {}
-        for key in (
-            "spool_dir",
-            "journal",
-            "listen",
-            "retention",
-            "records_retention",
-            "incidents_log",
-            "node",
-        ):
-            value = getattr(args, key)
-            if value is not None:
-                overrides[key] = value
-        for key in ("poll_interval", "idle_grace"):
-            if getattr(args, key) is not None:
-                overrides[key] = getattr(args, key)
+        overrides: dict[str, object] = {
+            key: getattr(args, key) for key in _OVERRIDES if getattr(args, key) is not None
+        }
         if args.no_nvml:
             overrides["nvml"] = False
         if args.allowed_user:

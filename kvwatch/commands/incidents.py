@@ -17,8 +17,9 @@ from typing import Any, Final, TextIO
 from kvwatch import config as configuration
 from kvwatch.commands.clihelp import add_command, fail
 from kvwatch.commands.common import DETECTORS, KINDS, choice, journal_problem, time_range
+from kvwatch.store import incidents_log
 from kvwatch.store.incident import Finding, counts, source_key
-from kvwatch.store.incidents_log import iso
+from kvwatch.store.incidents_log import ReadResult, iso
 
 _COLUMNS = (
     "ID",
@@ -276,28 +277,15 @@ def log_problem(path: str) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvwatch.store import incident as incidents
-    from kvwatch.store import incidents_log
+class _ReadError(Exception):
+    """A journal or log that cannot be read: its one-line error."""
+
+
+def _from_journals(
+    journals: list[str], since: float | None, until: float | None, detector: str | None
+) -> list[list[Finding]]:
     from kvwatch.store.journal import Journal, JournalError
 
-    now = time.time()
-    try:
-        since, until = time_range(args, now)
-        choice("--detector", args.detector, DETECTORS)
-        choice("--kind", args.kind, KINDS)
-    except configuration.ConfigError as exc:
-        return fail("incidents", str(exc), 2)
-    default = [] if args.incidents_log else [configuration.DEFAULT_JOURNAL]
-    journals: list[str] = args.journal or default
-    for path in journals:
-        problem = journal_problem(path)
-        if problem:
-            return fail("incidents", problem)
-    for path in args.incidents_log or []:
-        problem = log_problem(path)
-        if problem:
-            return fail("incidents", problem)
     found: list[list[Finding]] = []
     for path in journals:
         try:
@@ -305,20 +293,25 @@ def run(args: argparse.Namespace) -> int:
             try:
                 # The absolute time: a "since" given as a timestamp must not drift by the
                 # query's own latency.
-                found.append(journal.incidents(since=since, until=until, detector=args.detector))
+                found.append(journal.incidents(since=since, until=until, detector=detector))
             finally:
                 journal.close()
         except JournalError as exc:  # it names the journal
-            return fail("incidents", str(exc))
+            raise _ReadError(str(exc)) from None
         except (sqlite3.Error, OSError) as exc:
-            return fail("incidents", f"cannot read the journal {path}: {exc}")
-    read = incidents_log.ReadResult()
-    for path in args.incidents_log or []:
+            raise _ReadError(f"cannot read the journal {path}: {exc}") from None
+    return found
+
+
+def _from_logs(paths: list[str]) -> ReadResult:
+    read = ReadResult()
+    for path in paths:
         try:
             incidents_log.read(Path(path), read)
         except OSError as exc:
-            return fail("incidents", f"cannot read the incidents log {path}: {exc.strerror or exc}")
-    found.append(read.rows)
+            raise _ReadError(
+                f"cannot read the incidents log {path}: {exc.strerror or exc}"
+            ) from None
     for error in read.errors[:_SHOWN_ERRORS]:
         print(f"kvwatch incidents: {error}", file=sys.stderr)
     if read.bad_files > 1 or len(read.errors) > _SHOWN_ERRORS:
@@ -327,6 +320,42 @@ def run(args: argparse.Namespace) -> int:
             "every other line is listed",
             file=sys.stderr,
         )
+    return read
+
+
+def _problem(journals: list[str], logs: list[str]) -> str | None:
+    for path in journals:
+        problem = journal_problem(path)
+        if problem:
+            return problem
+    for path in logs:
+        problem = log_problem(path)
+        if problem:
+            return problem
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvwatch.store import incident as incidents
+
+    now = time.time()
+    try:
+        since, until = time_range(args, now)
+        choice("--detector", args.detector, DETECTORS)
+        choice("--kind", args.kind, KINDS)
+    except configuration.ConfigError as exc:
+        return fail("incidents", str(exc), 2)
+    logs: list[str] = args.incidents_log or []
+    journals: list[str] = args.journal or ([] if logs else [configuration.DEFAULT_JOURNAL])
+    problem = _problem(journals, logs)
+    if problem:
+        return fail("incidents", problem)
+    try:
+        found = _from_journals(journals, since, until, args.detector)
+        read = _from_logs(logs)
+    except _ReadError as exc:
+        return fail("incidents", str(exc))
+    found.append(read.rows)
     rows = incidents.merge(found, since=since, until=until, detector=args.detector, kind=args.kind)
     grouped = incidents.group(rows)
     if args.exposed:

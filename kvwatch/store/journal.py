@@ -390,37 +390,7 @@ class Journal:
     def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
         self.path = Path(path)
         if readonly:
-            if not self.path.exists():
-                raise JournalError(f"no journal at {self.path}")
-            if self.path.is_file() and self.path.stat().st_size == 0:
-                raise JournalError(
-                    f"{self.path} is empty: no kvwatch daemon has started on it (give the "
-                    "daemon's journal)"
-                )
-            uri = f"file:{self.path}?mode=ro"
-            self.db = sqlite3.connect(uri, uri=True, isolation_level=None)
-            self.db.execute("PRAGMA query_only = ON")
-            foreign = _not_a_journal(self.path, self.db)
-            if foreign:
-                self.db.close()
-                raise JournalError(foreign)
-            if not self.db.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
-            ).fetchone():
-                self.db.close()
-                raise JournalError(
-                    f"{self.path} is an SQLite database but not a kvwatch journal (no kvwatch "
-                    "tables); give the daemon's journal"
-                )
-            schema = self.meta("schema")
-            # A reader may hold a journal the daemon has not migrated yet (a copy from another
-            # node, an older kvwatch): schema 2 reads as one without sources, 3 as one without
-            # acknowledgements.
-            self.schema = int(schema) if schema is not None and schema.isdigit() else 0
-            if self.schema not in (2, 3, SCHEMA_VERSION):
-                raise JournalError(
-                    f"{self.path}: journal schema {schema}, expected 2 to {SCHEMA_VERSION}"
-                )
+            self._open_readonly()
             return
         self.schema = SCHEMA_VERSION
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -459,6 +429,41 @@ class Journal:
             )
         # Names this journal in the incidents log, whose high-water mark is only valid for it.
         self.db.execute("INSERT OR IGNORE INTO meta VALUES ('journal_id', ?)", (uuid.uuid4().hex,))
+
+    def _open_readonly(self) -> None:
+        """A query connection (``kvwatch incidents``, ``ack``, the status page): never
+        writes, refuses what is not a kvwatch journal."""
+        if not self.path.exists():
+            raise JournalError(f"no journal at {self.path}")
+        if self.path.is_file() and self.path.stat().st_size == 0:
+            raise JournalError(
+                f"{self.path} is empty: no kvwatch daemon has started on it (give the "
+                "daemon's journal)"
+            )
+        uri = f"file:{self.path}?mode=ro"
+        self.db = sqlite3.connect(uri, uri=True, isolation_level=None)
+        self.db.execute("PRAGMA query_only = ON")
+        foreign = _not_a_journal(self.path, self.db)
+        if foreign:
+            self.db.close()
+            raise JournalError(foreign)
+        if not self.db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+        ).fetchone():
+            self.db.close()
+            raise JournalError(
+                f"{self.path} is an SQLite database but not a kvwatch journal (no kvwatch "
+                "tables); give the daemon's journal"
+            )
+        schema = self.meta("schema")
+        # A reader may hold a journal the daemon has not migrated yet (a copy from another
+        # node, an older kvwatch): schema 2 reads as one without sources, 3 as one without
+        # acknowledgements.
+        self.schema = int(schema) if schema is not None and schema.isdigit() else 0
+        if self.schema not in (2, 3, SCHEMA_VERSION):
+            raise JournalError(
+                f"{self.path}: journal schema {schema}, expected 2 to {SCHEMA_VERSION}"
+            )
 
     def close(self) -> None:
         self.db.close()

@@ -378,11 +378,11 @@ def check(case: Case, journal: Journal, rejects: list[tuple[str, int, int, str]]
     missing, extra = sorted(set(intact) - set(seqs)), sorted(set(seqs) - set(intact))
     assert not missing and not extra, ("missing", missing, "extra", extra, why)
     events = {rid: seq for seq, (kind, rid) in intact.items() if kind == "event"}
-    rows = [i for i in journal.incidents() if i["producer"] == case.producer]
-    assert sorted(i["request_id"] for i in rows) == sorted(events), why
+    rows = [i for i in journal.incidents() if i.producer == case.producer]
+    assert sorted(i.request_id for i in rows) == sorted(events), why
     # The labels its hello gave (not the node: an incident names the daemon's node).
     for row in rows:
-        labels = {k: row[k] for k in ("role", "engine", "engine_version", "model", "rank")}
+        labels = {k: getattr(row, k) for k in ("role", "engine", "engine_version", "model", "rank")}
         assert labels == case.labels, (row, why)
     reasons = Counter(r[3] for r in mine)
     assert reasons["hello"] == case.inserted("forged_hello") + case.inserted("replay_hello"), (

@@ -310,29 +310,12 @@ class SpoolReader:
             if not segment.removed:
                 self._to_remove.append(segment)
             return True
-        path = self.directory / name
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                self._reject_file(name, "not_regular", "a symbolic link")
-                return True
-            self._warn_once("open:" + name, "spool.open_failed", segment=name, error=str(exc))
-            if exc.errno in (errno.EACCES, errno.EPERM):
-                self._ignore(name, "unreadable", None)
-                return True  # not a live producer: nothing of it is verified
-            return False
+        fd = self._open(name)
+        if isinstance(fd, bool):
+            return fd
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                self._reject_file(name, "not_regular", "not a regular file")
-                return True
-            if not self.owner_rule(info.st_uid):
-                who = f"owned by {user_name(info.st_uid)} (uid {info.st_uid}), who may not write"
-                self._reject_file(name, "owner", f"{who} the spool")
-                self._ignore(name, "owner", fd)
+            if not self._trusted(name, fd, info):
                 return True
             if state.ignored.pop(name, None) is not None:
                 self._flagged.discard(name)  # its owner is trusted now (joined the group)
@@ -366,6 +349,36 @@ class SpoolReader:
         finally:
             os.close(fd)
 
+    def _open(self, name: str) -> int | bool:
+        """The segment's descriptor; else whether it is done with (True: gone, a link, or
+        unreadable, and counted; False: try again next poll)."""
+        try:
+            return os.open(self.directory / name, _OPEN_FLAGS)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                self._reject_file(name, "not_regular", "a symbolic link")
+                return True
+            self._warn_once("open:" + name, "spool.open_failed", segment=name, error=str(exc))
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                self._ignore(name, "unreadable", None)
+                return True  # not a live producer: nothing of it is verified
+            return False
+
+    def _trusted(self, name: str, fd: int, info: os.stat_result) -> bool:
+        """Whether the open segment is a regular file its owner may write; if not, it is
+        rejected (once) and ignored."""
+        if not stat.S_ISREG(info.st_mode):
+            self._reject_file(name, "not_regular", "not a regular file")
+            return False
+        if not self.owner_rule(info.st_uid):
+            who = f"owned by {user_name(info.st_uid)} (uid {info.st_uid}), who may not write"
+            self._reject_file(name, "owner", f"{who} the spool")
+            self._ignore(name, "owner", fd)
+            return False
+        return True
+
     def _read_until(self, fd: int, segment: Segment, size: int, *, final: bool) -> bool:
         """Read ``segment`` up to ``size``; False when stopped at the budget."""
         want = self.chunk_bytes
@@ -390,8 +403,13 @@ class SpoolReader:
             want = self.chunk_bytes
         return segment.offset >= size or self._budget > 0
 
-    def _consume(self, segment: Segment, data: bytes, *, final: bool = False) -> int:
-        """Decode the frames of ``data`` (read at ``segment.offset``); returns bytes consumed."""
+    def _consume(  # noqa: C901, PLR0915 (the per-record loop: its checks inline, locals hoisted)
+        self, segment: Segment, data: bytes, *, final: bool = False
+    ) -> int:
+        """Decode the frames of ``data`` (read at ``segment.offset``); returns bytes consumed.
+
+        One function on purpose: it runs once per record, and a call per check (or locals
+        read from ``self``) costs the catch-up measurably (docs/performance.md)."""
         state = self.state
         batch = self._batch
         base = segment.offset
