@@ -42,8 +42,12 @@ class Finding(Struct, gc=False):
     producer's ``hello``, stored by the journal (one column per field but ``id`` and
     ``sources``, which are the row's id and its ``exposures`` rows), written by the incidents
     log (one line: these fields in this order, after ``v`` and ``journal``, with ``time``
-    after ``ts``) and read back from either. Adding a field here adds a journal column and a
-    log field; its renderers (``kvwatch incidents``, the status page) show what they choose.
+    after ``ts``) and read back from either.
+
+    Adding a field: add it here (after ``rank``, the reader copies it from the event record's
+    field of the same name), and to the renderers that should show it. The journal adds its
+    column to a journal that predates it (the rows there read the type's zero), the log writes
+    it (a field added within the line format's version).
 
     Positional, no defaults: the reader builds one per event on its hot path."""
 

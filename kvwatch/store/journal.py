@@ -90,18 +90,34 @@ class RejectRow(NamedTuple):
 _SQL_TYPES: Final = {float: "REAL", int: "INTEGER", str: "TEXT", list: "TEXT", dict: "TEXT"}
 
 
-def _columns(row: type, names: tuple[str, ...] | None = None) -> str:
-    out = []
+#: The value a column added to an older journal gives the rows it already holds.
+_SQL_DEFAULTS: Final = {float: "0.0", int: "0", str: "''", list: "'[]'", dict: "'{}'"}
+
+
+def _column_types(row: type) -> dict[str, tuple[type, bool]]:
+    """Each field's base type (``list[int]`` -> list) and whether it may be null."""
+    out = {}
     for name, hint in get_type_hints(row).items():
-        if names is not None and name not in names:
-            continue
         args = get_args(hint)
         optional = type(None) in args
         base = next(a for a in args if a is not type(None)) if optional else hint
-        base = getattr(base, "__origin__", base)  # list[int] -> list
-        null = "" if optional else " NOT NULL"
-        out.append(f"{name} {_SQL_TYPES[base]}{null}")
-    return ", ".join(out)
+        out[name] = (getattr(base, "__origin__", base), optional)
+    return out
+
+
+def _columns(row: type, names: tuple[str, ...] | None = None) -> str:
+    types = _column_types(row)
+    return ", ".join(
+        f"{name} {_SQL_TYPES[base]}{'' if optional else ' NOT NULL'}"
+        for name, (base, optional) in types.items()
+        if names is None or name in names
+    )
+
+
+def _default(name: str) -> str:
+    """What a finding's column reads as where a journal older than the field lacks it."""
+    base, optional = _column_types(Finding)[name]
+    return "NULL" if optional else _SQL_DEFAULTS[base]
 
 
 #: The columns of ``incidents``: a finding's fields but its ``id`` (the row's) and its
@@ -287,11 +303,6 @@ _insert_records: Final = _Insert("INSERT INTO records", 4)
 _insert_exposures: Final = _Insert(_insert("exposures", ExposureRow), len(ExposureRow._fields))
 _SELECT_EXPOSURES: Final = _select("exposures", ExposureRow)
 _INSERT_REJECT: Final = _Insert(_insert("rejects", RejectRow), len(RejectRow._fields)).one
-_SELECT_INCIDENTS_ID: Final = f"SELECT id, {', '.join(FINDING_COLUMNS)} FROM incidents"
-#: A schema 2 journal, read only: no sources.
-_SELECT_INCIDENTS_2: Final = _SELECT_INCIDENTS_ID.replace(
-    "other_sources, other_source_pages", "0, 0"
-)
 _PRODUCER_COLUMNS: Final = (
     "id, name, engine, engine_version, role, model, rank, node, pid, first_seen, last_ts,"
     " last_seq, counters, gauges, retired, retired_at"
@@ -423,6 +434,13 @@ class Journal:
         elif row and int(row[0]) != SCHEMA_VERSION:
             raise JournalError(f"{self.path}: journal schema {row[0]}, expected {SCHEMA_VERSION}")
         self.db.executescript(_SCHEMA)
+        # A field added to Finding is a column added to a journal that predates it.
+        for name in sorted(set(FINDING_COLUMNS) - self._finding_columns()):
+            default = _default(name)
+            column = _columns(Finding, (name,)) + (
+                "" if default == "NULL" else f" DEFAULT {default}"
+            )
+            self.db.execute(f"ALTER TABLE incidents ADD COLUMN {column}")
         if not row:
             self.db.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
@@ -674,7 +692,9 @@ class Journal:
         """Findings in time order (``after_id``: in id order, those after it, and before
         ``before_id``), each with the journal's row ``id`` and its ``sources`` (the exposures,
         most pages first)."""
-        sql = _SELECT_INCIDENTS_ID if self.schema >= 3 else _SELECT_INCIDENTS_2
+        have = self._finding_columns()  # an older journal (read only) lacks newer fields
+        columns = (name if name in have else _default(name) for name in FINDING_COLUMNS)
+        sql = f"SELECT id, {', '.join(columns)} FROM incidents"
         where: list[str] = []
         args: list[Any] = []
         for clause, value in (
@@ -702,6 +722,9 @@ class Journal:
         if out and self.schema >= 3:
             self._attach_sources(out)
         return out
+
+    def _finding_columns(self) -> set[str]:
+        return {row[1] for row in self.db.execute("PRAGMA table_info(incidents)")}
 
     def newest_finding_id(self) -> int:
         """The id of the newest finding stored (0: none)."""

@@ -347,3 +347,26 @@ def test_a_schema_2_journal_reads_and_migrates(tmp_path: Path) -> None:
     readonly = Journal(path, readonly=True)
     assert readonly.acks() == [AckRow(2.0, "alice", 7, 7, None, None)]
     readonly.close()
+
+
+def test_a_journal_older_than_a_finding_field_reads_it_and_gains_its_column(
+    spool: Path, journal: Journal
+) -> None:
+    """A field added to Finding is a column a journal that predates it lacks: read only, the
+    field reads as its type's zero; opened by the daemon, the column is added."""
+    reader = SpoolReader(spool, journal, journal.load(), idle_grace=3600.0)
+    p = Producer(spool)
+    p.append(p.hello(), p.event("a", other_sources=2, other_source_pages=5))
+    reader.poll()
+    journal.db.execute("ALTER TABLE incidents DROP COLUMN other_source_pages")
+    journal.close()
+    older = Journal(journal.path, readonly=True)
+    [row] = older.incidents()
+    assert (row.request_id, row.other_sources, row.other_source_pages) == ("a", 2, 0)
+    older.close()
+    reopened = Journal(journal.path)
+    assert reopened.incidents()[0].other_source_pages == 0
+    assert "other_source_pages" in {
+        r[1] for r in reopened.db.execute("PRAGMA table_info(incidents)")
+    }
+    reopened.close()

@@ -53,7 +53,14 @@ from kvspool.records import (
 )
 from kvspool.writer import PRIVATE_SUFFIX
 from kvwatch.ingest.spool.owner import Ignored, OwnerRule, user_name
-from kvwatch.store.incident import NOT_READS, Finding, Joiner, sorted_detail, sorted_sources
+from kvwatch.store.incident import (
+    FINDING_FIELDS,
+    NOT_READS,
+    Finding,
+    Joiner,
+    sorted_detail,
+    sorted_sources,
+)
 from kvwatch.store.journal import Batch, Journal, RejectRow, Stored
 from kvwatch.store.state import Producer, Segment, State
 
@@ -90,6 +97,8 @@ _JOINED_MAX: Final = 1024
 _EXPOSED_SEEN_MAX: Final = 16384
 #: An incident row's (detector, role, kind): the labels of ``kvwatch_incidents_total``.
 _INCIDENT_LABELS: Final = attrgetter("detector", "role", "kind")
+#: A finding's fields after its producer's labels: the event record's of the same names.
+_EVENT_PART: Final = attrgetter(*FINDING_FIELDS[FINDING_FIELDS.index("rank") + 1 :])
 
 
 class _PoisonError(Exception):
@@ -614,15 +623,17 @@ class SpoolReader:
             producer.rank,
             producer.name,
         )
-        by_pages, by_key = sorted_sources, sorted_detail
-        rows = [
-            Finding(
-                None, ts, node, name, e.seq, role, engine, version, model, rank, e.request_id,
-                e.instance, e.detector, e.kind, e.mode, e.action, e.pages, e.pages_total,
-                by_pages(e.sources), e.other_sources, e.other_source_pages, by_key(e.detail),
+        rows = []
+        event_part = _EVENT_PART
+        for e, ts in self._events:
+            row = Finding(
+                None, ts, node, name, e.seq, role, engine, version, model, rank, *event_part(e)
             )
-            for e, ts in self._events
-        ]  # fmt: skip
+            if len(row.sources) > 1:
+                row.sources = sorted_sources(row.sources)
+            if len(row.detail) > 1:
+                row.detail = sorted_detail(row.detail)
+            rows.append(row)
         join, affected = self._joiner.join, (_ROLE(role),)
         for e, ts in self._events:
             key, new = join(node, e.request_id, e.instance or "", (role, e.detector, e.kind), ts)
