@@ -131,7 +131,7 @@ def check_incidents_log(path: str) -> None:
     except OSError as exc:
         raise DaemonError(f"cannot open the incidents log {path}: {_reason(exc)}") from None
     os.close(fd)
-    if not existed:  # the log appears with its first incident, as before
+    if not existed:  # the log appears with its first incident
         with contextlib.suppress(OSError):
             log.unlink()
 

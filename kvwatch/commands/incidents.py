@@ -74,7 +74,7 @@ def render(incidents: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> No
         )
     _table(table, out)
     total = counts(incidents)
-    out.write(  # an incident is an affected request: its count last, as before
+    out.write(  # an incident is an affected request: its count last
         f"{sum(len(i['findings']) for i in incidents)} finding(s), "
         f"{total['exposed']} exposed request(s), {total['affected']} incident(s)\n"
     )

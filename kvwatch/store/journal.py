@@ -142,11 +142,9 @@ def _insert(table: str, row: type[tuple[Any, ...]]) -> str:
     return f"INSERT INTO {table} ({', '.join(fields)})"
 
 
-#: Rows per INSERT on the hot path (records, incidents). One multi-row ``VALUES`` statement binds
-#: the same parameters as a row-by-row ``executemany`` but runs the statement once per chunk:
-#: about 0.7 µs of SQLite's 3.1 µs per record in bench/daemon.py's catch-up (64 rows: within
-#: noise of 128; 8: half the gain). An incident chunk has 711 parameters: under 999, the
-#: smallest limit a SQLite build has had.
+#: Rows per INSERT on the hot path (records, findings). One multi-row ``VALUES`` statement binds
+#: the same parameters as a row-by-row ``executemany`` but runs the statement once per chunk
+#: (the figures: docs/performance.md, "The daemon's catch-up").
 ROWS_PER_INSERT: Final = 64
 
 
@@ -174,16 +172,23 @@ class _Insert:
             db.executemany(self.one, rows[full:])
 
 
+#: Findings per INSERT: ROWS_PER_INSERT, fewer if a chunk's parameters would pass 999 (the
+#: smallest limit a SQLite build has had), whatever fields Finding gains.
+_FINDING_ROWS: Final = min(
+    ROWS_PER_INSERT, (999 - len(_SHARED)) // (len(FINDING_COLUMNS) - len(_SHARED))
+)
+
+
 def _findings_insert() -> tuple[str, str]:
-    """The INSERTs of findings: one row, and ``ROWS_PER_INSERT`` rows that share the producer's
+    """The INSERTs of findings: one row, and ``_FINDING_ROWS`` rows that share the producer's
     labels, bound once (``?1``.. ``?7``): binding a parameter is most of what a row costs
-    SQLite (about 60 ns each)."""
+    SQLite (docs/performance.md)."""
     head = f"INSERT INTO incidents ({', '.join(FINDING_COLUMNS)})"
     common, own = len(_SHARED), len(FINDING_COLUMNS) - len(_SHARED)
     shared = ", ".join(f"?{i + 1}" for i in range(common))
     rows = (
         f"({shared}, {', '.join(f'?{common + k * own + i + 1}' for i in range(own))})"
-        for k in range(ROWS_PER_INSERT)
+        for k in range(_FINDING_ROWS)
     )
     return (
         f"{head} VALUES ({', '.join('?' * len(FINDING_COLUMNS))})",
@@ -196,7 +201,7 @@ _INSERT_FINDING, _INSERT_FINDINGS = _findings_insert()
 
 def _insert_findings(db: sqlite3.Connection, findings: list[Finding]) -> None:
     """Insert ``findings`` in order (ids follow it): runs of one producer's labels in chunks of
-    ``ROWS_PER_INSERT`` rows, the rest row by row."""
+    ``_FINDING_ROWS`` rows, the rest row by row."""
     encode, shared_of, own_of = _encode_json, _shared_of, _own_of
     start, count = 0, len(findings)
     while start < count:
@@ -204,11 +209,11 @@ def _insert_findings(db: sqlite3.Connection, findings: list[Finding]) -> None:
         stop = start + 1
         while stop < count and shared_of(findings[stop]) == common:
             stop += 1
-        full = stop - (stop - start) % ROWS_PER_INSERT
+        full = stop - (stop - start) % _FINDING_ROWS
         chunks = []
-        for first in range(start, full, ROWS_PER_INSERT):
+        for first in range(start, full, _FINDING_ROWS):
             flat = list(common)
-            for f in findings[first : first + ROWS_PER_INSERT]:
+            for f in findings[first : first + _FINDING_ROWS]:
                 flat += own_of(f)
                 flat.append(encode(f.pages).decode())
                 flat.append(encode(f.detail).decode() if f.detail else "{}")

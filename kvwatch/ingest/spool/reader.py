@@ -91,7 +91,7 @@ _PRIVATE_NAME: Final = re.compile(
 _DETECTOR, _ROLE, _KIND = catalogue.DETECTOR.bound, catalogue.ROLE.bound, catalogue.KIND.bound
 #: Incidents the reader remembers to count each once (``kvwatch_affected_requests_total``):
 #: more than join in any minute but a storm; a later finding of one forgotten counts it again.
-#: A thousand cost ~0.7 MB (test_cardinality holds the daemon's memory flat under fresh ids).
+#: Its memory: docs/performance.md (test_cardinality holds the daemon's memory flat, fresh ids).
 _JOINED_MAX: Final = 1024
 #: Exposed requests the reader remembers to count each once (``kvwatch_exposed_requests_total``).
 _EXPOSED_SEEN_MAX: Final = 16384
@@ -147,7 +147,7 @@ class SpoolReader:
         idle_grace: float = 5.0,
         # Small reads and transactions keep the memory a backlog takes small: what a catch-up
         # allocates, the allocators keep (1 MiB reads or 16,384-record transactions let the
-        # daemon's resident memory ratchet up by megabytes: +11.5% in test_cardinality's burst).
+        # daemon's resident memory ratchet up by megabytes: docs/performance.md).
         # On a slow or loaded machine, batch_seconds bounds how long read records wait to
         # become durable.
         batch_records: int = 4096,
@@ -615,7 +615,7 @@ class SpoolReader:
     def _incidents(self, producer: Producer) -> None:
         """Build the incident rows of the events read (``_events``, all ``producer``'s), and
         count them by (detector, role, kind). One call per read rather than per event, with
-        the producer's labels looked up once: the reader's per-event cost halves."""
+        the producer's labels looked up once (docs/performance.md)."""
         node, role, engine = self.node, producer.role, producer.engine
         version, model, rank, name = (
             producer.engine_version,
