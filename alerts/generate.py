@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from alerts import definitions as d
+from kvwatch.assets import write_or_check
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_RULES = Path("alerts/kvwatch.rules.yml")
@@ -326,16 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=REPO, help="repository root to write under")
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
-    stale = []
-    for rel, text in render().items():
-        path = args.root / rel
-        if args.check:
-            current = path.read_text(encoding="utf-8") if path.exists() else None
-            if current != text:
-                stale.append(str(rel))
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
+    stale = write_or_check(args.root, render(), check=args.check)
     if stale:
         print(
             "stale generated file(s): " + ", ".join(stale) + "; run `python -m alerts.generate`",

@@ -21,6 +21,7 @@ One run, figures and ratios against baselines measured in the same run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,18 +223,34 @@ def scrape(daemon: Daemon) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=1_000_000)
+def bench_args(description: str, *, records: int, rounds: int) -> argparse.Namespace:
+    """The catch-up benches' flags; the daemon's log quietened (it logs a line per committed
+    batch of incidents: not what is measured)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=description)
+    parser.add_argument("--records", type=int, default=records)
     parser.add_argument("--producers", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args()
-    # The daemon logs a line per committed batch of incidents: not what is measured here.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    return args
+
+
+@contextlib.contextmanager
+def workspace() -> Iterator[tuple[Path, Path]]:
+    """Folders for the spool (on tmpfs where there is one) and the journal (on disk)."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     work = Path(tempfile.mkdtemp(prefix="kvwatch-bench-", dir=shm))
     disk = Path(tempfile.mkdtemp(prefix="kvwatch-bench-journal-"))
     try:
+        yield work, disk
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def main() -> None:
+    args = bench_args(__doc__.splitlines()[0], records=1_000_000, rounds=2)
+    with workspace() as (work, disk):
         source = work / "backlog"
         source.mkdir()
         started = time.perf_counter()
@@ -288,9 +306,6 @@ def main() -> None:
 
         scrape(daemon)
         daemon.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,17 @@ def _flock(fd: int, what: str, path: str) -> None:
         ) from None
 
 
+def _make_folder(setting: str, path: str) -> None:
+    """Create the folder of the file at ``path`` (the ``setting``'s), or a one-line error."""
+    folder = Path(path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DaemonError(f"{setting} {path}: {folder} exists and is not a folder") from None
+    except OSError as exc:
+        raise DaemonError(f"{setting} {path}: cannot create {folder}: {_reason(exc)}") from None
+
+
 def lock_journal(path: str) -> int:
     """Create the journal's folder and file if needed and hold an exclusive lock on the file.
 
@@ -93,14 +104,7 @@ def lock_journal(path: str) -> int:
     journal = Path(path)
     if journal.is_dir():
         raise DaemonError(f"journal {path} is a directory; give a file, e.g. {path}/journal.db")
-    try:
-        journal.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise DaemonError(f"journal {path}: {journal.parent} exists and is not a folder") from None
-    except OSError as exc:
-        raise DaemonError(
-            f"journal {path}: cannot create {journal.parent}: {_reason(exc)}"
-        ) from None
+    _make_folder("journal", path)
     try:
         fd = os.open(journal, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
     except OSError as exc:
@@ -115,16 +119,7 @@ def check_incidents_log(path: str) -> None:
     log = Path(path)
     if log.is_dir():
         raise DaemonError(f"incidents_log {path} is a directory; give a file")
-    try:
-        log.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise DaemonError(
-            f"incidents_log {path}: {log.parent} exists and is not a folder"
-        ) from None
-    except OSError as exc:
-        raise DaemonError(
-            f"incidents_log {path}: cannot create {log.parent}: {_reason(exc)}"
-        ) from None
+    _make_folder("incidents_log", path)
     existed = log.exists()
     try:
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
