@@ -31,8 +31,9 @@ from prometheus_client.process_collector import ProcessCollector
 from kvwatch import __version__
 from kvwatch.alerting.pager import Pager
 from kvwatch.config import Config, ConfigError, parse_listen
+from kvwatch.expose.http import make_app, serve_wsgi
 from kvwatch.expose.metrics import KvwatchCollector
-from kvwatch.expose.status import AlarmSettings, make_app, serve_wsgi
+from kvwatch.expose.status import AlarmSettings
 from kvwatch.ingest.logs.watch import LogWatcher
 from kvwatch.ingest.nvml import Nvml
 from kvwatch.ingest.spool.reader import SpoolReader

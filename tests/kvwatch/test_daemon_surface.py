@@ -255,7 +255,7 @@ def test_not_ready_until_the_first_poll(tmp_path: Path) -> None:
 
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
-    from kvwatch.expose.status import make_app, serve_wsgi
+    from kvwatch.expose.http import make_app, serve_wsgi
     from kvwatch.store.state import State
 
     ready = threading.Event()

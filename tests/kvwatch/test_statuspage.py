@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.expose.status import Alarm, AlarmSettings, render
+from kvwatch.expose.page import render
+from kvwatch.expose.status import Alarm, AlarmSettings
 from kvwatch.store import incident as incident_model
 from kvwatch.store.state import Producer, State
 from tests.kvwatch.daemonproc import REPO, DaemonProcess

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvspool import Source
 from kvwatch.commands import incidents as views
+from kvwatch.expose import page
 from kvwatch.expose import status as statuspage
 from kvwatch.expose.metrics import KvwatchCollector
 from kvwatch.store import incident as incidents
@@ -34,8 +35,8 @@ def render_all(state: State, journal: Journal) -> str:
             assert math.isfinite(float(match.group(3))), line
     rows = incidents.group(journal.incidents())
     alarm = statuspage.alarm(journal, statuspage.AlarmSettings(until_ack=True))
-    page = statuspage.render(state, alarm, rows[-20:][::-1], acks=journal.acks())
-    assert "<html" in page.lower()
+    html = page.render(state, alarm, rows[-20:][::-1], acks=journal.acks())
+    assert "<html" in html.lower()
     out = io.StringIO()
     views.render(rows, out, as_json=False)
     views.render(rows, out, as_json=True)

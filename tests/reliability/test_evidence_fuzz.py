@@ -43,6 +43,7 @@ import structlog
 import kvspool
 import kvspool.writer
 from kvspool import MAGIC, SpoolWriter, decode_payload, encode_frame, encode_payload, iter_frames
+from kvspool.records import TYPE_NAME
 from kvwatch.ingest.spool.reader import SpoolReader
 from kvwatch.store.journal import Journal
 from tests.kvwatch.views import render_all, sample
@@ -146,7 +147,7 @@ def write_producer(spool: Path, rng: random.Random, tag: int) -> Case:
             assert frame.payload is not None
             record = decode_payload(frame.payload)
             rid = getattr(record, "request_id", None)
-            records[record.seq] = (type(record).__name__.lower(), rid)
+            records[record.seq] = (TYPE_NAME[type(record)], rid)
             pieces.append(Piece(bytearray(encode_frame(frame.payload)), seq=record.seq))
         segments[path.name] = pieces
         path.unlink()
