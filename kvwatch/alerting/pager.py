@@ -24,6 +24,9 @@ Posting never blocks ingestion: the evaluation runs on its own thread and hands 
 sender thread per Alertmanager through a bounded queue (the oldest batch is dropped when full);
 every post is counted in ``kvwatch_alertmanager_posts_total{result}``. The Prometheus rule stays
 the path that survives a daemon that cannot reach Alertmanager.
+
+Longer than 450 lines: the templates, the alert state machine and the send loops share the
+timing rules above; apart, each would restate them.
 """
 
 from __future__ import annotations

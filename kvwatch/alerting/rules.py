@@ -20,6 +20,8 @@ here, at generation time.
 
 Label contract with Prometheus: every kvwatch target carries a ``node`` target label (set per target
 in the scrape config or by the ServiceMonitor's relabelling) and ``job="kvwatch"``.
+
+Longer than 450 lines: it is data, one definition per rule with its annotations.
 """
 
 from __future__ import annotations

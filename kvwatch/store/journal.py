@@ -7,6 +7,10 @@ after a restart the reader resumes from the committed position. Detection events
 ``records`` (producer, sequence number, type, time) for accounting. Nothing here holds prompt
 text, token ids or KV bytes: the spool schema carries none, and rejected frames are recorded by
 position and reason only.
+
+Longer than 450 lines: every SQL statement of the daemon lives here (the schema, its
+migrations, the hot path's INSERTs, the prune and the queries), so that one file shows the
+journal whole.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ A record that passes the gate but cannot be stored (a daemon bug, or a limit the
 costs that record alone: the poll is redone one record per transaction, and the one that fails
 is dead-lettered (a ``rejects`` row with its producer, sequence number, offset and reason
 ``internal``), the read position moves past it, and every other record commits.
+
+Longer than 450 lines: one class, because the poll's directory listing, segment reads, record
+checks and poison isolation share its state (the batch, the budget, the flagged files) under the
+state's lock; the hot loop (``_consume``) is one function on purpose (docs/performance.md).
 """
 
 from __future__ import annotations
