@@ -10,10 +10,10 @@ refused: answered, or failed with a server error (5xx, e.g. kvwatch in enforce m
 read of stale pages, but the engine still let the prompt through); 3 it was answered with
 another request's marker in it (a leak); 4 the probe could not complete (server unreachable,
 bad responses); 2 usage errors and refusals to run.
-
-Longer than 450 lines: one command that stands alone (its HTTP client, calibration, markers
-and report), imported by nothing else.
 """
+
+# Longer than 450 lines: one command that stands alone (its HTTP client, calibration, markers
+# and report), imported by nothing else. (Not in the docstring: it is the command's --help.)
 
 from __future__ import annotations
 
