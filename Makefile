@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo walkthrough test lint typecheck unit bench clean tools sglang-test vllm-test \
+.PHONY: demo walkthrough test check lint typecheck unit bench clean tools sglang-test vllm-test \
 	mutation-vllm mutation-sglang vllm-pd-test sglang-pd-test gpu-check dist
 
 $(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
@@ -46,6 +46,17 @@ tools:
 dist: $(STAMP)
 	rm -rf dist
 	$(PY) -m build --outdir dist .
+
+# The edit loop (a few minutes on 2 cores): lint, types, the generated files, and the unit tests
+# that need no real Prometheus, Alertmanager, Chromium or engine (make test runs those too).
+CHECK_WITHOUT := --ignore=tests/kvwatch/test_minipd_e2e.py --ignore=tests/kvwatch/test_pager.py \
+	--ignore=tests/kvwatch/test_statuspage.py -k "not promtool" -m "not slow"
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(PY) -m alerts.generate --check
+	$(PY) -m pytest -q -x tests/kvspool tests/kvwatch $(CHECK_WITHOUT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

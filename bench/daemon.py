@@ -21,6 +21,7 @@ One run, figures and ratios against baselines measured in the same run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,8 @@ from prometheus_client.registry import Collector
 import kvspool
 from kvwatch.config import Config
 from kvwatch.daemon import Daemon
-from kvwatch.incidents_log import rotated
-from kvwatch.metrics import KvwatchCollector
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.store.incidents_log import rotated
 
 EVENT_SHARE = 0.8  # the rest are counter snapshots (a leak storm: mostly detection events)
 
@@ -203,18 +205,52 @@ def catch_up(
     return wall, cpu, daemon, samples
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=1_000_000)
+def scrape(daemon: Daemon) -> None:
+    """One scrape at the default series count, against prometheus_client by itself."""
+    ours = CollectorRegistry(auto_describe=False)
+    ours.register(KvwatchCollector(daemon.state, daemon.nvml))
+    text = generate_latest(ours)
+    series = sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
+    plain = CollectorRegistry(auto_describe=False)
+    plain.register(Frozen(list(KvwatchCollector(daemon.state, daemon.nvml).collect())))
+    runs_ = 200
+    ours_s = best_of(runs_, lambda: generate_latest(ours))
+    plain_s = best_of(runs_, lambda: generate_latest(plain))
+    print(
+        f"scrape: {series} series, {len(text) / 1e3:.0f} kB: {ours_s * 1e3:.2f} ms"
+        f" (best of {runs_}); prometheus_client rendering the same families by itself"
+        f" {plain_s * 1e3:.2f} ms; ratio {ours_s / plain_s:.2f}"
+    )
+
+
+def bench_args(description: str, *, records: int, rounds: int) -> argparse.Namespace:
+    """The catch-up benches' flags; the daemon's log quietened (it logs a line per committed
+    batch of incidents: not what is measured)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=description)
+    parser.add_argument("--records", type=int, default=records)
     parser.add_argument("--producers", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args()
-    # The daemon logs a line per committed batch of incidents: not what is measured here.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    return args
+
+
+@contextlib.contextmanager
+def workspace() -> Iterator[tuple[Path, Path]]:
+    """Folders for the spool (on tmpfs where there is one) and the journal (on disk)."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     work = Path(tempfile.mkdtemp(prefix="kvwatch-bench-", dir=shm))
     disk = Path(tempfile.mkdtemp(prefix="kvwatch-bench-journal-"))
     try:
+        yield work, disk
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def main() -> None:
+    args = bench_args(__doc__.splitlines()[0], records=1_000_000, rounds=2)
+    with workspace() as (work, disk):
         source = work / "backlog"
         source.mkdir()
         started = time.perf_counter()
@@ -268,25 +304,8 @@ def main() -> None:
         journal_mb = (disk / f"journal-{args.rounds - 1}.db").stat().st_size / 1e6
         print(f"journal: {journal_mb:.0f} MB for {total:,} records")
 
-        # One scrape at the default series count, against prometheus_client by itself.
-        ours = CollectorRegistry(auto_describe=False)
-        ours.register(KvwatchCollector(daemon.state, daemon.nvml))
-        text = generate_latest(ours)
-        series = sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
-        plain = CollectorRegistry(auto_describe=False)
-        plain.register(Frozen(list(KvwatchCollector(daemon.state, daemon.nvml).collect())))
-        runs_ = 200
-        ours_s = best_of(runs_, lambda: generate_latest(ours))
-        plain_s = best_of(runs_, lambda: generate_latest(plain))
-        print(
-            f"scrape: {series} series, {len(text) / 1e3:.0f} kB: {ours_s * 1e3:.2f} ms"
-            f" (best of {runs_}); prometheus_client rendering the same families by itself"
-            f" {plain_s * 1e3:.2f} ms; ratio {ours_s / plain_s:.2f}"
-        )
+        scrape(daemon)
         daemon.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
 
 
 if __name__ == "__main__":

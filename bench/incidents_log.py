@@ -10,31 +10,19 @@ whole cost of writing it. Prints the best CPU seconds of each and their ratio.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import structlog
 
-from bench.daemon import catch_up, link_copy, write_backlog
+from bench.daemon import bench_args, catch_up, link_copy, workspace, write_backlog
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=300_000)
-    parser.add_argument("--producers", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    work = Path(tempfile.mkdtemp(prefix="kvwatch-bench-", dir=shm))
-    disk = Path(tempfile.mkdtemp(prefix="kvwatch-bench-journal-"))
-    try:
+    args = bench_args(__doc__.splitlines()[0], records=300_000, rounds=3)
+    with workspace() as (work, disk):
         source = work / "backlog"
         source.mkdir()
         total = write_backlog(source, args.records, args.producers)
@@ -57,9 +45,6 @@ def main() -> None:
             f" ({total / off:,.0f} records/s), log on {on:.2f} CPU s ({total / on:,.0f}"
             f" records/s, every incident written); on/off = {on / off:.2f}"
         )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
 
 
 if __name__ == "__main__":

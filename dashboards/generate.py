@@ -20,6 +20,7 @@ from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 from dashboards import node, overview
+from kvwatch.assets import write_or_check
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS: dict[str, Callable[[], dash.Dashboard]] = {
@@ -48,15 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=REPO, help="repository root to write under")
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
-    stale = []
-    for rel, text in render().items():
-        path = args.root / rel
-        if args.check:
-            if not path.exists() or path.read_text(encoding="utf-8") != text:
-                stale.append(str(rel))
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
+    stale = write_or_check(args.root, render(), check=args.check)
     if stale:
         print(
             "stale dashboard JSON: " + ", ".join(stale) + "; run `python -m dashboards.generate`",

@@ -28,7 +28,7 @@ from dashboards.common import (
     timeseries_panel,
 )
 from kvspool.catalogue import exposed
-from kvwatch.rules import VULNERABLE_PD
+from kvwatch.alerting.rules import VULNERABLE_PD
 
 UID = "kvwatch-overview"
 #: Nodes the fleet tables list, worst first.

@@ -17,8 +17,8 @@ from kvspool.records import (
     Event,
     Gauges,
     Hello,
+    NextSegment,
     Record,
-    Seal,
     Source,
 )
 from kvspool.schema import SchemaError, decode_payload, encode_payload, validate
@@ -39,9 +39,9 @@ __all__ = [
     "Frame",
     "Gauges",
     "Hello",
+    "NextSegment",
     "Record",
     "SchemaError",
-    "Seal",
     "Source",
     "SpoolContents",
     "SpoolWriter",

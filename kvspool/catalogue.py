@@ -187,7 +187,7 @@ class Series:
         return tuple(label.name for label in self.labels)
 
 
-COUNTERS: Final = (
+COUNTER_SERIES: Final = (
     Series(
         "verifications",
         "kvwatch_verifications",
@@ -231,7 +231,7 @@ COUNTERS: Final = (
         (DROP_REASON,),
     ),
 )
-GAUGES: Final = (
+GAUGE_SERIES: Final = (
     Series("kv_pool_tokens", "kvwatch_kv_pool_tokens", "Tokens the engine's KV pool holds."),
     Series(
         "context_length_tokens",
@@ -240,8 +240,8 @@ GAUGES: Final = (
     ),
     Series("page_size_tokens", "kvwatch_page_size_tokens", "Tokens per KV page."),
 )
-COUNTER_BY_NAME: Final = {series.name: series for series in COUNTERS}
-GAUGE_BY_NAME: Final = {series.name: series for series in GAUGES}
+COUNTER_BY_NAME: Final = {series.name: series for series in COUNTER_SERIES}
+GAUGE_BY_NAME: Final = {series.name: series for series in GAUGE_SERIES}
 
 #: The unsafe band: prompt lengths that pass the context check but do not fit the KV pool.
 UNSAFE_BAND_HELP: Final = (
@@ -264,7 +264,7 @@ class Family:
     labels: tuple[str, ...] = ()
 
 
-#: Every other family on /metrics (with COUNTERS and GAUGES above: all of them).
+#: Every other family on /metrics (with COUNTER_SERIES and GAUGE_SERIES above: all of them).
 DAEMON_FAMILIES: Final = (
     Family(
         "kvwatch_build_info",
@@ -400,8 +400,8 @@ PREFIX: Final = "kvwatch_"
 EXPOSED: Final = {
     family.removeprefix(PREFIX): family + ("_total" if counter else "")
     for family, counter in (
-        *((series.family, True) for series in COUNTERS),
-        *((series.family, False) for series in GAUGES),
+        *((series.family, True) for series in COUNTER_SERIES),
+        *((series.family, False) for series in GAUGE_SERIES),
         *((family.name, family.type == "counter") for family in DAEMON_FAMILIES),
     )
 }

@@ -35,7 +35,8 @@ INT64_MAX: Final = (1 << 63) - 1
 #: far from float64's overflow.
 MAX_VALUE: Final = float(1 << 63)
 #: The latest timestamp a record may carry: 9999-12-31T23:59:59Z, the last a datetime shows.
-#: The daemon also clamps what lies outside a window of its own clock (see kvwatch.spool_reader).
+#: The daemon also clamps what lies outside a window of its own clock (see
+#: kvwatch.ingest.spool.reader).
 MAX_TS: Final = 253_402_300_799.0
 
 Text = Annotated[str, Meta(max_length=MAX_STRING_CHARS)]
@@ -49,7 +50,7 @@ HELLO: Final = "hello"
 COUNTERS: Final = "counters"
 GAUGES: Final = "gauges"
 EVENT: Final = "event"
-SEAL: Final = "seal"
+NEXT_SEGMENT: Final = "seal"  # the wire's type string, kept
 
 
 class _Record(Struct, kw_only=True, tag_field="type", frozen=True, gc=False):
@@ -98,12 +99,12 @@ def _series_type(series: catalogue.Series) -> type[Struct]:
     )
 
 
-COUNTER_TYPES: Final = {series.name: _series_type(series) for series in catalogue.COUNTERS}
-GAUGE_TYPES: Final = {series.name: _series_type(series) for series in catalogue.GAUGES}
+COUNTER_TYPES: Final = {series.name: _series_type(series) for series in catalogue.COUNTER_SERIES}
+GAUGE_TYPES: Final = {series.name: _series_type(series) for series in catalogue.GAUGE_SERIES}
 #: A decoded series struct's type -> its catalogue entry.
 SERIES_OF: Final[dict[type, catalogue.Series]] = {
-    COUNTER_TYPES[s.name]: s for s in catalogue.COUNTERS
-} | {GAUGE_TYPES[s.name]: s for s in catalogue.GAUGES}
+    COUNTER_TYPES[s.name]: s for s in catalogue.COUNTER_SERIES
+} | {GAUGE_TYPES[s.name]: s for s in catalogue.GAUGE_SERIES}
 if TYPE_CHECKING:  # unions built at run time from the catalogue: to mypy, any series struct
     CounterSeries = Any
     GaugeSeries = Any
@@ -166,19 +167,19 @@ def stopped_before_read(detail: Mapping[str, Any] | None) -> bool:
     return detail is not None and detail.get(STOPPED_BEFORE_READ) == 1
 
 
-class Seal(_Record, tag=SEAL, frozen=True, gc=False):
+class NextSegment(_Record, tag=NEXT_SEGMENT, frozen=True, gc=False):
     """Last record of a full segment, naming the next one."""
 
     next_segment: Text
 
 
-Record = Hello | Counters | Gauges | Event | Seal
+Record = Hello | Counters | Gauges | Event | NextSegment
 #: A record struct's type -> its ``type`` on the wire.
 TYPE_NAME: Final[dict[type, str]] = {
     Hello: HELLO,
     Counters: COUNTERS,
     Gauges: GAUGES,
     Event: EVENT,
-    Seal: SEAL,
+    NextSegment: NEXT_SEGMENT,
 }
 RECORD_TYPES: Final = frozenset(TYPE_NAME.values())

@@ -20,18 +20,18 @@ from kvspool.records import (
     MAX_EVENT_SOURCES,
     MAX_RECORD_BYTES,
     MAX_STRING_CHARS,
+    NEXT_SEGMENT,
     RECORD_TYPES,
     SCHEMA_VERSION,
-    SEAL,
     Record,
 )
 
 OTHER: Final = catalogue.OTHER
 #: Counter name -> the label names its series carry in a record, in order.
 COUNTER_LABELS: Final = {
-    s.name: tuple(label.name for label in s.record_labels) for s in catalogue.COUNTERS
+    s.name: tuple(label.name for label in s.record_labels) for s in catalogue.COUNTER_SERIES
 }
-GAUGE_LABELS: Final = {s.name: () for s in catalogue.GAUGES}
+GAUGE_LABELS: Final = {s.name: () for s in catalogue.GAUGE_SERIES}
 
 __all__ = [
     "COUNTERS",
@@ -44,10 +44,10 @@ __all__ = [
     "MAX_EVENT_SOURCES",
     "MAX_RECORD_BYTES",
     "MAX_STRING_CHARS",
+    "NEXT_SEGMENT",
     "OTHER",
     "RECORD_TYPES",
     "SCHEMA_VERSION",
-    "SEAL",
     "SchemaError",
     "decode_payload",
     "encode_payload",

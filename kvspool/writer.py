@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Final
 
-from kvspool import records as schema
+from kvspool import records
 from kvspool.framing import HEADER_BYTES, SEGMENT_SUFFIX, encode_frame
 from kvspool.schema import encode_payload
 
@@ -62,10 +62,10 @@ class SpoolWriter:
             "engine": engine,
             "engine_version": engine_version,
             "role": role,
-            "model": model[: schema.MAX_STRING_CHARS],
+            "model": model[: records.MAX_STRING_CHARS],
             "rank": rank,
             "pid": os.getpid(),
-            "node": socket.gethostname()[: schema.MAX_STRING_CHARS],
+            "node": socket.gethostname()[: records.MAX_STRING_CHARS],
         }
         tag = _UNSAFE.sub("_", f"{engine}-{role}-r{rank}")
         self.producer = f"{tag}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -115,7 +115,7 @@ class SpoolWriter:
     def _frame(self, record_type: str, fields: dict[str, Any]) -> bytes:
         self._seq += 1
         record = {
-            "v": schema.SCHEMA_VERSION,
+            "v": records.SCHEMA_VERSION,
             "type": record_type,
             "producer": self.producer,
             **fields,
@@ -135,7 +135,7 @@ class SpoolWriter:
             self._seq += 1  # the lost record leaves a gap the daemon counts
             return False
         frame = self._frame(record_type, fields)
-        if len(frame) - HEADER_BYTES > schema.MAX_RECORD_BYTES:
+        if len(frame) - HEADER_BYTES > records.MAX_RECORD_BYTES:
             self.dropped["oversize"] += 1
             return False
         if self._size + len(frame) > self.segment_bytes:
@@ -172,7 +172,7 @@ class SpoolWriter:
 
     def _rotate(self) -> None:
         next_name = self._segment_name(self._segment_index + 1)
-        frame = self._frame(schema.SEAL, {"next_segment": next_name})
+        frame = self._frame(records.NEXT_SEGMENT, {"next_segment": next_name})
         self._append(frame)
         self._close_fd()
         self._segment_index += 1
@@ -206,7 +206,7 @@ class SpoolWriter:
         self._fd = fd
         self._size = 0
         # Each segment starts with who wrote it, so the daemon can label it on its own.
-        return self._append(self._frame(schema.HELLO, self.identity)) or True
+        return self._append(self._frame(records.HELLO, self.identity)) or True
 
     def _warn(self, exc: OSError) -> None:
         """One warning per failure, not per record: the drop counter counts each record."""

@@ -7,8 +7,9 @@ keeps the one copy at the repository's top level, where the generators write the
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 _PACKAGED: Final = Path(__file__).resolve().parent / "assets"
 _CHECKOUT: Final = Path(__file__).resolve().parent.parent
@@ -88,3 +89,18 @@ def export(kind: str, destination: Path, *, force: bool = False) -> list[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)  # a kind may keep files in folders
         shutil.copyfile(source, target)
     return targets
+
+
+def write_or_check(root: Path, files: Mapping[Any, str], *, check: bool) -> list[str]:
+    """Write the generated ``files`` (path under ``root`` -> text), or with ``check`` write
+    nothing and return the paths whose file differs (or is missing): the generators' mains."""
+    stale = []
+    for rel, text in files.items():
+        path = root / rel
+        if check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(rel))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    return stale

@@ -2,7 +2,7 @@
 
 Every setting, with what it does and its default, is in the example ``deploy/kvwatch.toml``
 (``kvwatch export deploy``): commented out where the default applies. The fast path to the pager
-(``node``, ``alertmanager_*``, ``prometheus_scrape_interval``) is :mod:`kvwatch.pager`'s.
+(``node``, ``alertmanager_*``, ``prometheus_scrape_interval``) is :mod:`kvwatch.alerting.pager`'s.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import re
 import socket
 import tomllib
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
 
 from kvspool.catalogue import ENGINE, OTHER, ROLE
-from kvwatch.logwatch import EngineLog
+from kvwatch.ingest.logs.watch import EngineLog
 
 #: 9100-9999 is fully allocated on Prometheus's exporter port list; this one is outside it,
 #: below the Linux ephemeral range, and not a well-known default of any exporter.
@@ -296,35 +296,35 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
     for key in sorted(set(data) - KNOWN_SETTINGS):
         raise ConfigError(f"unknown setting {key!r}{did_you_mean(key, KNOWN_SETTINGS)}")
     for key, value in data.items():
-        if key in _DURATIONS:
-            setattr(config, key, parse_duration(value, setting=key))
-        elif key == "allowed_users":
-            config.allowed_uids = [_uid(u) for u in _list(key, value)]
-        elif key == "logs":
-            config.logs = [_engine_log(entry) for entry in _list(key, value)]
-        elif key in _BOOLEANS:
-            # Strictly a TOML boolean: "false" as a string is truthy and was read as true.
-            if not isinstance(value, bool):
-                raise ConfigError(f"{key}: expected true or false (no quotes), got {value!r}")
-            setattr(config, key, value)
-        elif key == "alertmanager_urls":
-            config.alertmanager_urls = [_alertmanager_url(v) for v in _list(key, value)]
-        elif key == "alertmanager_labels":
-            config.alertmanager_labels = _external_labels(value)
-        elif key == "allowed_uids":
-            config.allowed_uids = [_integer(key, v) for v in _list(key, value)]
-        elif key in ("quarantine_max", "incidents_log_max_bytes", "incidents_log_keep"):
-            setattr(config, key, _integer(key, value))
-        elif key in _STRINGS:
-            if not isinstance(value, str):
-                raise ConfigError(f"{key}: expected a string, got {value!r}")
-            setattr(config, key, value)
+        _apply(config, key, value)
     parse_listen(config.listen)
     for name, allowed in RANGES.items():
         allowed.check(name, getattr(config, name))
     for uid in config.allowed_uids:
         UID_RANGE.check("allowed_users", uid)
     return config
+
+
+def _apply(config: Config, key: str, value: Any) -> None:
+    """Set one known setting from the config file's (or a flag's) value."""
+    if key in _DURATIONS:
+        setattr(config, key, parse_duration(value, setting=key))
+    elif key in _LISTS:
+        attribute, one = _LISTS[key]
+        setattr(config, attribute, [one(v) for v in _list(key, value)])
+    elif key in _BOOLEANS:
+        # Strictly a TOML boolean: "false" as a string is truthy and was read as true.
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false (no quotes), got {value!r}")
+        setattr(config, key, value)
+    elif key == "alertmanager_labels":
+        config.alertmanager_labels = _external_labels(value)
+    elif key in ("quarantine_max", "incidents_log_max_bytes", "incidents_log_keep"):
+        setattr(config, key, _integer(key, value))
+    elif key in _STRINGS:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        setattr(config, key, value)
 
 
 def _alertmanager_url(value: object) -> str:
@@ -437,3 +437,12 @@ def load(path: str | os.PathLike[str] | None) -> Config:
         return from_mapping(data)
     except ConfigError as exc:
         raise ConfigError(f"config {path}: {exc}") from None
+
+
+#: Settings that are lists: the Config attribute each sets, and how one item is read.
+_LISTS: Final[dict[str, tuple[str, Callable[[Any], Any]]]] = {
+    "allowed_users": ("allowed_uids", _uid),
+    "logs": ("logs", _engine_log),
+    "alertmanager_urls": ("alertmanager_urls", _alertmanager_url),
+    "allowed_uids": ("allowed_uids", lambda v: _integer("allowed_uids", v)),
+}

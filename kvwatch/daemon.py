@@ -29,15 +29,16 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from kvwatch import __version__
+from kvwatch.alerting.pager import Pager
 from kvwatch.config import Config, ConfigError, parse_listen
-from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
-from kvwatch.logwatch import LogWatcher
-from kvwatch.metrics import KvwatchCollector
-from kvwatch.nvml import Nvml
-from kvwatch.pager import Pager
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.statuspage import AlarmSettings, make_app, serve_wsgi
+from kvwatch.expose.http import make_app, serve_wsgi
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.expose.status import AlarmSettings
+from kvwatch.ingest.logs.watch import LogWatcher
+from kvwatch.ingest.nvml import Nvml
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.incidents_log import IncidentsLog
+from kvwatch.store.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
 
 #: How often old journal rows are pruned.
 PRUNE_SECONDS: Final = 600.0
@@ -84,6 +85,17 @@ def _flock(fd: int, what: str, path: str) -> None:
         ) from None
 
 
+def _make_folder(setting: str, path: str) -> None:
+    """Create the folder of the file at ``path`` (the ``setting``'s), or a one-line error."""
+    folder = Path(path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DaemonError(f"{setting} {path}: {folder} exists and is not a folder") from None
+    except OSError as exc:
+        raise DaemonError(f"{setting} {path}: cannot create {folder}: {_reason(exc)}") from None
+
+
 def lock_journal(path: str) -> int:
     """Create the journal's folder and file if needed and hold an exclusive lock on the file.
 
@@ -93,14 +105,7 @@ def lock_journal(path: str) -> int:
     journal = Path(path)
     if journal.is_dir():
         raise DaemonError(f"journal {path} is a directory; give a file, e.g. {path}/journal.db")
-    try:
-        journal.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise DaemonError(f"journal {path}: {journal.parent} exists and is not a folder") from None
-    except OSError as exc:
-        raise DaemonError(
-            f"journal {path}: cannot create {journal.parent}: {_reason(exc)}"
-        ) from None
+    _make_folder("journal", path)
     try:
         fd = os.open(journal, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
     except OSError as exc:
@@ -115,23 +120,14 @@ def check_incidents_log(path: str) -> None:
     log = Path(path)
     if log.is_dir():
         raise DaemonError(f"incidents_log {path} is a directory; give a file")
-    try:
-        log.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise DaemonError(
-            f"incidents_log {path}: {log.parent} exists and is not a folder"
-        ) from None
-    except OSError as exc:
-        raise DaemonError(
-            f"incidents_log {path}: cannot create {log.parent}: {_reason(exc)}"
-        ) from None
+    _make_folder("incidents_log", path)
     existed = log.exists()
     try:
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
     except OSError as exc:
         raise DaemonError(f"cannot open the incidents log {path}: {_reason(exc)}") from None
     os.close(fd)
-    if not existed:  # the log appears with its first incident, as before
+    if not existed:  # the log appears with its first incident
         with contextlib.suppress(OSError):
             log.unlink()
 
@@ -180,6 +176,11 @@ class Daemon:
             self._unlock()
             self._remove_created()
             raise
+        log_path = config.incidents_log_path
+        self.incidents_log = log_path and IncidentsLog(
+            log_path, max_bytes=config.incidents_log_max_bytes, keep=config.incidents_log_keep
+        )
+        # spool -> journal; what each commit stored -> the incidents log (drained each round).
         self.reader = SpoolReader(
             config.spool_dir,
             self.journal,
@@ -189,12 +190,9 @@ class Daemon:
             quarantine_dir=config.quarantine,
             quarantine_max=config.quarantine_max,
             node=config.node_name,
+            on_stored=self.incidents_log.committed if self.incidents_log else None,
         )
         self.logs = LogWatcher(config.logs, self.state)
-        log_path = config.incidents_log_path
-        self.incidents_log = log_path and IncidentsLog(
-            log_path, max_bytes=config.incidents_log_max_bytes, keep=config.incidents_log_keep
-        )
         if self.incidents_log:
             # Where the log stands, before the first poll stores incidents (ids may be reused).
             try:
@@ -202,18 +200,12 @@ class Daemon:
             except (OSError, sqlite3.Error) as exc:
                 self.log.error("incidents_log.recover_failed", path=log_path, error=_reason(exc))
         try:
-            # The fast path to Alertmanager reads the same samples /metrics serves.
-            self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
+            self._outputs(config)
         except ConfigError as exc:
             self.journal.close()
             self._unlock()
             self._remove_created()
             raise DaemonError(str(exc)) from None
-        self.nvml = Nvml(config.nvml)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(KvwatchCollector(self.state, self.nvml))
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
         self.stop = threading.Event()
         #: Set once the journal is open and the first poll is committed (``/-/ready``).
         self.ready = threading.Event()
@@ -226,6 +218,16 @@ class Daemon:
         self._next_prune = 0.0
         self._last_prune = 0.0
         self._failures = 0
+
+    def _outputs(self, config: Config) -> None:
+        """state -> the pager (the fast path to Alertmanager, on the same samples /metrics
+        serves) and state + NVML (read at scrape time) -> /metrics."""
+        self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
+        self.nvml = Nvml(config.nvml)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(KvwatchCollector(self.state, self.nvml))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -384,6 +386,8 @@ class Daemon:
                     records_retention=min(self.config.records_retention, self.config.retention),
                 )
                 ok = True
+                if self.incidents_log:  # journal -> incidents log: ids below may come again
+                    self.incidents_log.pruned(now - self.config.retention)
                 if deleted:
                     self.log.info("journal.pruned", rows=deleted)
             except Exception as exc:

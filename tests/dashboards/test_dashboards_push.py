@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from alerts import definitions
-from kvwatch import dashboards_push
+from kvwatch.commands import dashboards_push
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "glsa_kvwatch_test_token_0123456789"
@@ -234,7 +234,7 @@ def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_push_module_does_not_import_torch() -> None:
     code = (
-        "import sys, kvwatch.dashboards_push as m, grafana_client.api; "
+        "import sys, kvwatch.commands.dashboards_push as m, grafana_client.api; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     result = subprocess.run(

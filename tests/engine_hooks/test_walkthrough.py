@@ -12,7 +12,8 @@ from engine_hooks import walkthrough
 from engine_hooks.detectors import Verdict
 from engine_hooks.testing import read_spool
 from kvspool.records import Source
-from kvwatch.incidents import exposure, group
+from kvwatch.commands.incidents import exposure
+from kvwatch.store.incident import group
 from tests.minipd.test_disclosure import view_rows
 
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import State
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspool import encode_frame, encode_payload
-from kvwatch.journal import Journal
+from kvwatch.store.journal import Journal
 
 #: Recent, so that every record falls inside the daemon's clock window.
 T0 = float(int(time.time()) - 3600)

@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from kvwatch.journal import Journal
+from kvwatch.store.journal import Journal
 from tests.kvwatch.daemonproc import DaemonProcess, run_cli
 from tests.kvwatch.spoolgen import Producer
 

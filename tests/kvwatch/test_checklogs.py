@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch import checklogs
 from kvwatch.cli import main
+from kvwatch.commands import check_logs as checklogs
 
 PRESET_VULNERABLE = (
     "prefill: max_total_num_tokens=681280, context_len=1048576\n"

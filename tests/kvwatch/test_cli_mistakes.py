@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.journal import Journal
+from kvwatch.store.journal import Journal
 from tests import anyuser
 from tests.kvwatch.daemonproc import REPO, run_cli
 
@@ -541,7 +541,7 @@ def test_no_parser_takes_an_abbreviation() -> None:
                 continue
             if node.func.attr not in ("ArgumentParser", "add_parser"):
                 continue
-            if path.parts[-2] == "kvwatch" and node.func.attr == "add_parser":
+            if relative[0] == "kvwatch" and node.func.attr == "add_parser":
                 continue  # kvwatch's subparsers are clihelp.Parser: checked above
             if not any(k.arg == "allow_abbrev" for k in node.keywords):
                 unguarded.append(f"{path.relative_to(REPO)}:{node.lineno}")

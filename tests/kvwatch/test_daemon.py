@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.nvml import Nvml
+from kvwatch.ingest.nvml import Nvml
 from tests.kvwatch.daemonproc import DaemonProcess, run_cli
 from tests.kvwatch.writer import spool_module
 

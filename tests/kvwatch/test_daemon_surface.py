@@ -255,8 +255,8 @@ def test_not_ready_until_the_first_poll(tmp_path: Path) -> None:
 
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
-    from kvwatch.state import State
-    from kvwatch.statuspage import make_app, serve_wsgi
+    from kvwatch.expose.http import make_app, serve_wsgi
+    from kvwatch.store.state import State
 
     ready = threading.Event()
     app = make_app(make_wsgi_app(CollectorRegistry()), State(), tmp_path / "j.db", ready.is_set)

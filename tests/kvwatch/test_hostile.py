@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from kvspool import MAGIC, encode_payload, read_segment
-from kvwatch.journal import IncidentRow, Journal
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import MAX_MODELS, State
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import MAX_MODELS, State
 from tests.kvwatch.spoolgen import Producer, seqs
 from tests.kvwatch.views import render_all, sample
 
@@ -79,7 +79,7 @@ def test_1_a_poison_record_stalls_no_one(spool: Path, journal: Journal, which: s
     assert result.rejected == 1
     assert seqs(journal, good.name) == [1, 2, 3]
     assert seqs(journal, bad.name) == [1, 3]  # the poison's seq 2 is rejected, not lost
-    assert sorted(i["request_id"] for i in journal.incidents()) == ["after-poison", "g1", "g2"]
+    assert sorted(i.request_id for i in journal.incidents()) == ["after-poison", "g1", "g2"]
     assert state.daemon[("spool_rejected", ("malformed",))] == 1
     render_all(state, journal)
 
@@ -127,7 +127,7 @@ def test_4_far_timestamps_are_clamped_or_rejected_and_every_view_renders(
     render_all(state, journal)  # on 92c2721: "year 33658 is out of range"
     assert state.daemon[("spool_clamped_records", ())] == 2
     assert state.daemon[("spool_rejected", ("malformed",))] == 2
-    times = {i["request_id"]: i["time"] for i in journal.incidents()}
+    times = {i.request_id: i.ts for i in journal.incidents()}
     assert set(times) == {"future", "past", "normal"}
     assert now <= times["future"] <= after and now <= times["past"] <= after
     assert state.last_record_ts <= after  # the "hooks silent" alert still sees silence
@@ -155,7 +155,7 @@ def test_5_resync_keeps_the_frame_a_damaged_length_points_into(
     state = journal.load()
     reader = reader_for(spool, journal, state, idle_grace=0.0)
     reader.poll()
-    assert sorted(i["request_id"] for i in journal.incidents()) == ["b", "c"]
+    assert sorted(i.request_id for i in journal.incidents()) == ["b", "c"]
     assert state.daemon.get(("spool_lost_records", ()), 0) == 1  # a, and only a
 
 
@@ -177,7 +177,7 @@ def test_6a_an_oversize_frame_across_the_read_boundary_is_counted_once(
     reader.poll()
     assert state.daemon[("spool_rejected", ("oversize",))] == 1
     assert state.daemon.get(("spool_rejected", ("framing",)), 0) == 0  # 92c2721 counted both
-    assert journal.incidents()[-1]["request_id"] == "after"
+    assert journal.incidents()[-1].request_id == "after"
 
 
 def test_6b_an_abandoned_private_segment_is_removed(spool: Path, journal: Journal) -> None:
@@ -261,7 +261,7 @@ def test_a_daemon_bug_costs_one_record_dead_lettered(
     a.append(*frames)
     b.append(b.hello(), b.event("b1"))
     reader.poll()
-    assert sorted(i["request_id"] for i in journal.incidents()) == ["a1", "a3", "b1"]
+    assert sorted(i.request_id for i in journal.incidents()) == ["a1", "a3", "b1"]
     assert seqs(journal, a.name) == [1, 2, 4]
     row = journal.db.execute("SELECT producer, seq, reason, offset FROM rejects").fetchall()
     offset = len(frames[0]) + len(frames[1])  # where "boom" starts
@@ -288,12 +288,12 @@ def test_a_row_sqlite_refuses_inside_a_chunk_costs_only_its_record(
     real = SpoolReader._incidents
 
     def bad_row(self: SpoolReader, producer: object) -> None:
-        first = len(self._batch.incidents)
+        first = len(self._batch.findings)
         real(self, producer)  # type: ignore[arg-type]
-        rows = self._batch.incidents
+        rows = self._batch.findings
         for i in range(first, len(rows)):
-            if IncidentRow(*rows[i]).request_id == "boom":
-                rows[i] = IncidentRow(*rows[i])._replace(pages_total=1 << 70)
+            if rows[i].request_id == "boom":
+                rows[i].pages_total = 1 << 70
 
     monkeypatch.setattr(SpoolReader, "_incidents", bad_row)
     a = Producer(spool, "sglang-decode-r0-100-aaaa0001")
@@ -301,7 +301,7 @@ def test_a_row_sqlite_refuses_inside_a_chunk_costs_only_its_record(
     names[100] = "boom"
     a.append(a.hello(), *(a.event(n) for n in names))
     reader.poll()
-    assert [i["request_id"] for i in journal.incidents()] == names[:100] + names[101:]
+    assert [i.request_id for i in journal.incidents()] == names[:100] + names[101:]
     assert seqs(journal, a.name) == [1, *range(2, 102), *range(103, 202)]
     row = journal.db.execute("SELECT producer, seq, reason FROM rejects").fetchall()
     assert row == [(a.name, 102, "internal")]
@@ -322,7 +322,7 @@ def test_a_writer_that_appends_and_closes_during_a_read_loses_nothing(
     2,404 of 121,009 lost under load)."""
     import fcntl
 
-    from kvwatch import spool_reader
+    from kvwatch.ingest.spool import reader as spool_reader
 
     state = journal.load()
     reader = reader_for(spool, journal, state, idle_grace=1.0)
@@ -346,5 +346,5 @@ def test_a_writer_that_appends_and_closes_during_a_read_loses_nothing(
     monkeypatch.setattr(spool_reader, "_locked", late_writer)
     reader.poll()
     reader.poll()
-    assert [i["request_id"] for i in journal.incidents()] == ["before", "after-1", "after-2"]
+    assert [i.request_id for i in journal.incidents()] == ["before", "after-1", "after-2"]
     assert state.daemon.get(("spool_lost_records", ()), 0) == 0

@@ -11,13 +11,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwatch import incidents
-from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import State
+from kvwatch.commands import incidents as views
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store import incident as incidents
+from kvwatch.store.incident import Finding
+from kvwatch.store.incidents_log import IncidentsLog
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 from tests.kvwatch.daemonproc import run_cli
 from tests.kvwatch.spoolgen import T0, Producer
+from tests.kvwatch.views import as_finding
 
 
 def _node(
@@ -67,8 +70,8 @@ def fleet(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_the_disclosure_view_names_readers_sources_and_pages(fleet: tuple[Path, Path]) -> None:
     rows = incidents.group(incidents.merge(Journal(p, readonly=True).incidents() for p in fleet))
-    view = incidents.exposure(rows, since=None, until=None)
-    assert view["v"] == incidents.EXPOSED_VERSION
+    view = views.exposure(rows, since=None, until=None)
+    assert view["v"] == views.EXPOSED_VERSION
     readers = {(r["node"], r["request_id"]): r for r in view["readers"]}
     assert set(readers) == {("node-a", "req-17"), ("node-b", "req-99")}  # not the clean one
     req17 = readers[("node-a", "req-17")]
@@ -169,7 +172,7 @@ def test_cli_mistakes_are_one_line(
 
 
 def _iso(ts: float) -> str:
-    from kvwatch.incidents_log import iso
+    from kvwatch.store.incidents_log import iso
 
     return iso(ts)
 
@@ -213,6 +216,11 @@ def _finding(**fields: Any) -> dict[str, Any]:
     return row
 
 
+def _findings(*rows: dict[str, Any]) -> list[Finding]:
+    """``rows`` as Findings, in time order (as :func:`kvwatch.store.incident.merge` gives)."""
+    return sorted(map(as_finding, rows), key=lambda f: (f.ts, f.id))
+
+
 def test_one_incident_per_affected_request_instance() -> None:
     """The prefill side's admission finding, decode's admission check and decode's reader
     findings of one request (three instances, as minipd mints them) are one incident with the
@@ -235,7 +243,7 @@ def test_one_incident_per_affected_request_instance() -> None:
         # Another node's request of the same id is another request.
         _finding(id=7, time=T0 + 0.02, node="other", instance="x-11"),
     ]  # fmt: skip
-    grouped = incidents.group(sorted(rows, key=lambda r: (r["time"], r["id"])))
+    grouped = incidents.group(_findings(*rows))
     assert [(i["node"], [f["id"] for f in i["findings"]]) for i in grouped] == [
         ("n", [1, 2, 3, 4]),
         ("other", [7]),
@@ -249,7 +257,7 @@ def test_one_incident_per_affected_request_instance() -> None:
     assert first["exposed"] == 2
     # bob is exposed to two incidents on node n: one exposed request.
     assert incidents.counts(grouped) == {"affected": 4, "exposed": 2}
-    view = incidents.exposure(grouped, since=None, until=None)
+    view = views.exposure(grouped, since=None, until=None)
     assert view["counts"]["incidents"] == 4 and view["counts"]["exposed"] == 2
     assert view["counts"]["readers"] == 2 and view["counts"]["sources"] == 2
 
@@ -351,7 +359,7 @@ def test_a_request_stopped_before_it_read_is_an_incident_but_no_reader(
         ("t", 1, 2),
     ]
     assert grouped[0]["findings"][0]["sources"][0]["request_id"] == "alice"  # kept as evidence
-    view = incidents.exposure(grouped, since=None, until=None)
+    view = views.exposure(grouped, since=None, until=None)
     assert [
         (r["request_id"], [s["request_id"] for s in r["sources"]]) for r in view["readers"]
     ] == [("t", ["bob"])]

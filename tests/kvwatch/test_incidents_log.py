@@ -10,18 +10,26 @@ from typing import Any
 
 import pytest
 
-from kvwatch import incidents_log
-from kvwatch.incidents_log import HIGH_WATER_KEY, IncidentsLog
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store import incidents_log
+from kvwatch.store.incidents_log import HIGH_WATER_KEY, IncidentsLog
+from kvwatch.store.journal import Journal
 from tests.kvwatch.daemonproc import DaemonProcess, run_cli
 from tests.kvwatch.spoolgen import Producer
 from tests.kvwatch.writer import spool_module
 
 
-def _events(spool: Path, journal: Journal, count: int, *, node: str = "node-a") -> None:
+def _events(
+    spool: Path,
+    journal: Journal,
+    count: int,
+    *,
+    node: str = "node-a",
+    log: IncidentsLog | None = None,
+) -> None:
     state = journal.load()
-    reader = SpoolReader(spool, journal, state, idle_grace=3600.0, node=node)
+    on_stored = log.committed if log else None
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0, node=node, on_stored=on_stored)
     p = Producer(spool, f"sglang-decode-r0-1-{node}", node=node)
     frames = [p.hello()]
     for i in range(count):
@@ -75,14 +83,14 @@ def test_rotation_keeps_n_files_and_reads_back_in_order(
     log = IncidentsLog(path, max_bytes=4096, keep=2)
     if source == "memory":
         log.recover(journal)
-    _events(spool, journal, 40)
+    _events(spool, journal, 40, log=log)
     log.drain(journal)
     files = incidents_log.rotated(path)
     assert [f.name for f in files] == ["incidents.jsonl.2", "incidents.jsonl.1", "incidents.jsonl"]
     assert all(f.stat().st_size <= 4096 for f in files)
     assert not (tmp_path / "incidents.jsonl.3").exists()
     rows = incidents_log.read(path).rows
-    ids = [r["id"] for r in rows]
+    ids = [r.id for r in rows]
     assert ids == sorted(ids) and ids[-1] == 40 and len(ids) < 40  # the oldest rotated away
     assert rows == journal.incidents()[-len(rows) :]
 
@@ -144,7 +152,7 @@ def test_hostile_lines_are_named_counted_and_skipped(
     ]
     path.write_bytes(b"\n".join(hostile) + b"\n")
     result = incidents_log.read(path)
-    assert [r["request_id"] for r in result.rows] == ["req-0", "req-1"]
+    assert [r.request_id for r in result.rows] == ["req-0", "req-1"]
     assert result.skipped == 6
     assert all(e.startswith(f"{path}:") and "\n" not in e for e in result.errors)
     assert "unsupported format version 2" in result.errors[1]
@@ -262,7 +270,7 @@ def test_a_full_disk_loses_no_line(
     log = IncidentsLog("/dev/full", max_bytes=1 << 20, keep=3)
     if source == "memory":
         log.recover(journal)
-    _events(spool, journal, 3)
+    _events(spool, journal, 3, log=log)
     with pytest.raises(OSError) as failed:
         log.drain(journal)
     assert failed.value.errno == errno.ENOSPC
@@ -305,16 +313,22 @@ def test_lines_encoded_at_commit_are_the_lines_the_journal_gives(
                 )
             )
         p.append(*frames)
-    SpoolReader(spool, journal, journal.load(), idle_grace=3600.0).poll()
+    SpoolReader(spool, journal, journal.load(), idle_grace=3600.0, on_stored=log.committed).poll()
     count = 2 * len(fractions)
     assert log._pending_count == count  # encoded at commit, not read back
     assert log.drain(journal) == count
-    stored = journal.db.execute(
-        incidents_log._SELECT_LINES, (journal.meta("journal_id"), 0, count + 1, count + 1)
-    ).fetchall()
-    assert _lines(log.path) == [json.loads(line) for _, line in stored]
-    assert incidents_log.read(log.path).rows == journal.incidents(after_id=0)  # id order
     assert journal.meta(HIGH_WATER_KEY) == str(count)
+    # The backlog's path: the same findings read back from the journal's columns, the same bytes.
+    journal.set_meta(HIGH_WATER_KEY, "0")
+    backlog = IncidentsLog(tmp_path / "backlog.jsonl", max_bytes=1 << 20, keep=3)
+    assert backlog.drain(journal) == count
+    assert backlog.path.read_bytes() == log.path.read_bytes()
+    lines = _lines(log.path)
+    stored = journal.db.execute(
+        "SELECT ts, strftime('%Y-%m-%dT%H:%M:%fZ', ts, 'unixepoch') FROM incidents ORDER BY id"
+    ).fetchall()
+    assert [(line["ts"], line["time"]) for line in lines] == [tuple(row) for row in stored]
+    assert incidents_log.read(log.path).rows == journal.incidents(after_id=0)  # id order
 
 
 def test_a_prune_of_an_incident_not_yet_written_reads_the_journal_instead(
@@ -325,12 +339,14 @@ def test_a_prune_of_an_incident_not_yet_written_reads_the_journal_instead(
     log = IncidentsLog(tmp_path / "incidents.jsonl", max_bytes=1 << 20, keep=3)
     log.recover(journal)
     state = journal.load()
-    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0, on_stored=log.committed)
     p = Producer(spool, "sglang-decode-r0-1-node-a", t0=time.time() - 2 * 86400)
     p.append(p.hello(), p.event("old-0"), p.event("old-1"))
     reader.poll()
     assert log._pending_count == 2
-    journal.prune(state, now=time.time(), retention=86400.0, records_retention=86400.0)
+    now = time.time()
+    journal.prune(state, now=now, retention=86400.0, records_retention=86400.0)
+    log.pruned(now - 86400.0)  # as the daemon hands the prune over
     assert log._pending_count == 0  # dropped: their ids are free again
     p.t0 = time.time() - p.seq - 1
     p.append(p.event("new-0"))

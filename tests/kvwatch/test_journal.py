@@ -5,19 +5,20 @@ import sqlite3
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from kvspool import encode_frame, encode_payload
-from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import (
+from kvspool import Source, encode_frame, encode_payload
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.incident import Finding
+from kvwatch.store.incidents_log import IncidentsLog
+from kvwatch.store.journal import (
     RETIRED_GRACE,
     ROWS_PER_INSERT,
     Batch,
-    IncidentRow,
     Journal,
     JournalError,
 )
-from kvwatch.spool_reader import SpoolReader
 from tests.kvwatch.spoolgen import T0, Producer
 
 
@@ -61,7 +62,7 @@ def test_incident_filters(spool: Path, journal: Journal) -> None:
     p = Producer(spool)
     p.append(p.hello(), p.event("a"), p.event("b", detector="page_tag", kind="stale_tag"))
     reader.poll()
-    assert [i["request_id"] for i in journal.incidents(detector="page_tag")] == ["b"]
+    assert [i.request_id for i in journal.incidents(detector="page_tag")] == ["b"]
     assert journal.incidents(since=time.time()) == []
     assert len(journal.incidents(since=T0)) == 2
 
@@ -135,14 +136,14 @@ def test_prune_deletes_only_the_records_rows_past_their_retention(journal: Journ
     assert kept == list(range(70, 100))  # ts >= now - 30
 
 
-def incident_row(i: int, run: int = 1) -> IncidentRow:
-    """An incident row whose every field tells ``i`` apart, but for the producer's labels, the
-    same for ``run`` rows in a row."""
+def incident_row(i: int, run: int = 1) -> Finding:
+    """A finding whose every field tells ``i`` apart, but for the producer's labels, the same
+    for ``run`` findings in a row."""
     p = i // run
-    return IncidentRow(
-        T0 + i, f"node-{p}", "decode", "sglang", f"0.{p}", f"m{p}", p, f"p{p}", i + 1,
+    return Finding(
+        None, T0 + i, f"node-{p}", f"p{p}", i + 1, "decode", "sglang", f"0.{p}", f"m{p}", p,
         f"req-{i}", None if i % 2 else f"req-{i}#1", "canary", f"k{i}", "log", "logged",
-        f"[{i}]", i, f'{{"n":{i}}}', i % 3, i % 5,
+        [i], i, [], i % 3, i % 5, {"n": i},
     )  # fmt: skip
 
 
@@ -156,14 +157,14 @@ def test_a_commit_writes_every_row_in_its_order(journal: Journal, count: int, ru
     whole, in the batch's order (rowids follow it), whatever the count and the runs."""
     batch = Batch()
     batch.records = [(i % 3, i + 1, ("event", "counters")[i % 2], T0 + i) for i in range(count)]
-    batch.incidents = [incident_row(i, run) for i in range(count)]
-    journal.commit(batch, journal.load())
+    batch.findings = [incident_row(i, run) for i in range(count)]
+    stored = journal.commit(batch, journal.load())
+    assert stored is not None and stored.first == 1 and stored.findings == batch.findings
     records = journal.db.execute("SELECT * FROM records ORDER BY rowid").fetchall()
     assert records == batch.records
-    incidents = journal.db.execute(
-        f"SELECT {', '.join(IncidentRow._fields)} FROM incidents ORDER BY id"
-    ).fetchall()
-    assert incidents == [tuple(row) for row in batch.incidents]
+    assert journal.incidents(after_id=0) == [
+        msgspec.structs.replace(f, id=k + 1) for k, f in enumerate(batch.findings)
+    ]
 
 
 def test_a_row_of_the_wrong_width_fails_the_whole_commit(journal: Journal) -> None:
@@ -173,9 +174,9 @@ def test_a_row_of_the_wrong_width_fails_the_whole_commit(journal: Journal) -> No
     with pytest.raises(sqlite3.ProgrammingError):
         journal.commit(batch, journal.load())
     batch = Batch()
-    batch.incidents = [incident_row(i, 1000) for i in range(2 * ROWS_PER_INSERT)]
-    batch.incidents[70] = batch.incidents[70][:-1]  # type: ignore[assignment]
-    with pytest.raises(sqlite3.ProgrammingError):
+    batch.findings = [incident_row(i, 1000) for i in range(2 * ROWS_PER_INSERT)]
+    batch.findings[70].pages_total = 1 << 70  # past SQLite's INTEGER
+    with pytest.raises(OverflowError):
         journal.commit(batch, journal.load())
     assert journal.scalar("SELECT count(*) FROM records") == 0
     assert journal.scalar("SELECT count(*) FROM incidents") == 0
@@ -183,9 +184,10 @@ def test_a_row_of_the_wrong_width_fails_the_whole_commit(journal: Journal) -> No
 
 
 def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal) -> None:
-    """The reader builds incident rows as plain tuples in IncidentRow's order (for speed): each
-    field must land in its own column, ``instance`` included. The node is the daemon's (its
-    ``node`` setting: what Prometheus and the pages call it), not the engine's host name."""
+    """The reader builds a Finding positionally (for speed): each field must land in its own
+    column, ``instance`` included, detail's keys sorted and sources most pages first. The node
+    is the daemon's (its ``node`` setting: what Prometheus and the pages call it), not the
+    engine's host name."""
     state = journal.load()
     reader = SpoolReader(spool, journal, state, idle_grace=3600.0, node="node-b")
     p = Producer(
@@ -202,6 +204,7 @@ def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal
             "sources": [
                 {"request_id": "req-7", "instance": "req-7#1", "pages": 9, "written_at": T0},
                 {"request_id": "req-8", "pages": 3},
+                {"request_id": "req-9", "pages": 10},
             ],
             "other_sources": 4, "other_source_pages": 6,
         },
@@ -209,18 +212,19 @@ def test_an_incident_row_says_what_its_record_said(spool: Path, journal: Journal
     p.append(hello, encode_frame(encode_payload(event)))
     reader.poll()
     [row] = journal.incidents()
-    assert row == {
-        "time": event["ts"], "node": "node-b", "role": "prefill", "engine": "vllm",
-        "engine_version": "0.33.0", "model": "llama", "rank": 3, "producer": p.name, "seq": 2,
-        "request_id": "req-42", "instance": "req-42#2", "detector": "checksum", "kind": "digest",
-        "mode": "enforce", "action": "enforced", "pages": [5, 9], "pages_total": 12,
-        "detail": {"a": 1, "b": "x"}, "other_sources": 4, "other_source_pages": 6, "id": 1,
-        "sources": [
-            {"request_id": "req-7", "instance": "req-7#1", "pages": 9, "written_at": T0},
-            {"request_id": "req-8", "instance": None, "pages": 3, "written_at": 0.0},
+    assert row == Finding(
+        ts=event["ts"], node="node-b", role="prefill", engine="vllm",
+        engine_version="0.33.0", model="llama", rank=3, producer=p.name, seq=2,
+        request_id="req-42", instance="req-42#2", detector="checksum", kind="digest",
+        mode="enforce", action="enforced", pages=[5, 9], pages_total=12,
+        detail={"a": 1, "b": "x"}, other_sources=4, other_source_pages=6, id=1,
+        sources=[
+            Source(request_id="req-9", pages=10),
+            Source(request_id="req-7", instance="req-7#1", pages=9, written_at=T0),
+            Source(request_id="req-8", pages=3),
         ],
-    }  # fmt: skip
-    assert list(row) == [*IncidentRow._fields[1:], "time", "id", "sources"]
+    )  # fmt: skip
+    assert list(row.detail) == ["a", "b"]
     # The edges are committed with the incident: a second journal connection sees both.
     other = Journal(journal.path, readonly=True)
     assert other.incidents() == [row]
@@ -261,12 +265,12 @@ def test_a_schema_1_journal_is_migrated(tmp_path: Path) -> None:
     db.close()
     journal = Journal(path)
     [row] = journal.incidents()
-    assert row["pages"] == [1, 2, 3] and row["instance"] is None and row["node"] == "node-a"
+    assert row.pages == [1, 2, 3] and row.instance is None and row.node == "node-a"
     state = journal.load()
     assert state.producers["p"].node == "node-a"
     assert state.hook_counter_totals()[("kvwatch_verifications", ("canary", "decode"))] == 3
     assert journal.scalar("SELECT value FROM meta WHERE key = 'schema'") == "4"
-    assert row["sources"] == [] and row["other_sources"] == 0
+    assert row.sources == [] and row.other_sources == 0
     journal.close()
 
 
@@ -290,10 +294,10 @@ def test_exposures_are_pruned_with_their_incident_and_the_log_goes_on(
     p.append(p.event("b", sources=[{"request_id": "s2", "pages": 1}]))
     reader.poll()
     [second] = journal.incidents()
-    assert [s["request_id"] for s in second["sources"]] == ["s2"]
+    assert [s.request_id for s in second.sources] == ["s2"]
     # SQLite gave the new incident the pruned one's id: the log's mark must not skip it, in this
     # daemon or in the next.
-    assert second["id"] == 1
+    assert second.id == 1
     assert restarted.drain(journal) == 1
     assert restarted.drain(journal) == 0
     assert [json.loads(x)["request_id"] for x in log.path.read_text().splitlines()] == ["a", "b"]
@@ -330,16 +334,39 @@ def test_a_schema_2_journal_reads_and_migrates(tmp_path: Path) -> None:
     # Read only (kvwatch incidents on a copy from a node not upgraded yet): no sources.
     readonly = Journal(path, readonly=True)
     [old] = readonly.incidents()
-    assert old["sources"] == [] and old["other_sources"] == 0 and old["pages"] == [1, 2]
+    assert old.sources == [] and old.other_sources == 0 and old.pages == [1, 2]
     readonly.close()
     journal = Journal(path)
     assert journal.meta("schema") == "4"
     assert journal.incidents() == [old]
     journal.close()
     # Migrated in place to schema 4: acknowledgements can be stored and read back.
-    from kvwatch.journal import AckRow, acknowledge
+    from kvwatch.store.journal import AckRow, acknowledge
 
     acknowledge(path, AckRow(2.0, "alice", 7, incident=7))
     readonly = Journal(path, readonly=True)
     assert readonly.acks() == [AckRow(2.0, "alice", 7, 7, None, None)]
     readonly.close()
+
+
+def test_a_journal_older_than_a_finding_field_reads_it_and_gains_its_column(
+    spool: Path, journal: Journal
+) -> None:
+    """A field added to Finding is a column a journal that predates it lacks: read only, the
+    field reads as its type's zero; opened by the daemon, the column is added."""
+    reader = SpoolReader(spool, journal, journal.load(), idle_grace=3600.0)
+    p = Producer(spool)
+    p.append(p.hello(), p.event("a", other_sources=2, other_source_pages=5))
+    reader.poll()
+    journal.db.execute("ALTER TABLE incidents DROP COLUMN other_source_pages")
+    journal.close()
+    older = Journal(journal.path, readonly=True)
+    [row] = older.incidents()
+    assert (row.request_id, row.other_sources, row.other_source_pages) == ("a", 2, 0)
+    older.close()
+    reopened = Journal(journal.path)
+    assert reopened.incidents()[0].other_source_pages == 0
+    assert "other_source_pages" in {
+        r[1] for r in reopened.db.execute("PRAGMA table_info(incidents)")
+    }
+    reopened.close()

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvwatch.journal import Journal
+from kvwatch.store.journal import Journal
 from tests.kvwatch.daemonproc import REPO, DaemonProcess
 
 PRODUCERS = (("prefill", 26_000), ("decode", 26_000), ("prefill", 26_000), ("decode", 26_000))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwatch.logparse import LineError, LogParser, parse_line
+from kvwatch.ingest.logs.parse import LineError, LogParser, parse_line
 
 SGLANG = (
     "[2026-09-01 12:00:00 TP0] max_total_num_tokens=681280, chunked_prefill_size=8192,"

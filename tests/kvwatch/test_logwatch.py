@@ -3,8 +3,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvwatch.logwatch import EngineLog, LogFollower, LogWatcher
-from kvwatch.state import State
+from kvwatch.ingest.logs.watch import EngineLog, LogFollower, LogWatcher
+from kvwatch.store.state import State
 
 LINE = (
     "[2026-09-01 12:00:00 TP0] max_total_num_tokens={pool}, chunked_prefill_size=8192,"

@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvspool import catalogue
-from kvwatch.journal import Journal
-from kvwatch.logparse import EngineView
-from kvwatch.metrics import KvwatchCollector
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import EngineLogView, State
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.ingest.logs.parse import EngineView
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import EngineLogView, State
 from tests.kvwatch.spoolgen import Producer
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.prom"
@@ -159,8 +159,8 @@ def test_every_family_on_metrics_is_in_the_catalogue(spool: Path, journal: Journ
     text = render(fixed_state(spool, journal), FakeGpus())
     exposed = {family.name for family in text_string_to_metric_families(text)}
     catalogued = (
-        {s.family for s in catalogue.COUNTERS}
-        | {s.family for s in catalogue.GAUGES}
+        {s.family for s in catalogue.COUNTER_SERIES}
+        | {s.family for s in catalogue.GAUGE_SERIES}
         | {f.name for f in catalogue.DAEMON_FAMILIES}
     )
     assert exposed == catalogued
@@ -179,7 +179,7 @@ def test_500_producers_minting_versions_keep_each_cap_exactly(tmp_path: Path) ->
     ``other``. The scrape's other ``version`` labels are kvwatch's own (``kvwatch_build_info``)
     and Python's (``python_info``), one value each: counted by label name over the whole scrape
     that makes 19, which is what was reported."""
-    from kvwatch.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS
+    from kvwatch.store.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS
     from tests.kvwatch.daemonproc import DaemonProcess
 
     spool = tmp_path / "spool"

@@ -4,9 +4,9 @@ import shutil
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvwatch.metrics import KvwatchCollector
-from kvwatch.nvml import Nvml
-from kvwatch.state import State
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.ingest.nvml import Nvml
+from kvwatch.store.state import State
 
 
 def test_nvml_reports_up_or_down_without_errors() -> None:

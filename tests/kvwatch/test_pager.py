@@ -28,8 +28,8 @@ from demo.stack import WebhookReceiver, free_port, http_json
 from kvspool import catalogue
 from kvspool.writer import SpoolWriter
 from kvwatch import config as configuration
-from kvwatch import pager as pager_module
-from kvwatch.pager import (
+from kvwatch.alerting import pager as pager_module
+from kvwatch.alerting.pager import (
     ENDS_AT_RESENDS,
     MAX_BATCH_AGE,
     TICK,
@@ -41,8 +41,8 @@ from kvwatch.pager import (
     kept_labels,
     render,
 )
-from kvwatch.rules import Alert, Increase
-from kvwatch.state import State
+from kvwatch.alerting.rules import Alert, Increase
+from kvwatch.store.state import State
 from tests.alerts.tooling import ALERTS, run, tool
 from tests.kvwatch.daemonproc import DaemonProcess
 
@@ -75,7 +75,7 @@ def _series(alert: Alert) -> dict[str, str]:
     for name in counter_labels(alert.increase.counter):
         label = next(
             lab
-            for s in (*catalogue.COUNTERS,)
+            for s in (*catalogue.COUNTER_SERIES,)
             for lab in s.labels
             if lab.name == name and s.family.endswith(alert.increase.counter)
         )

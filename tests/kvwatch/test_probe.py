@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvwatch import probe
+from kvwatch.commands import probe
 
 
 def test_fit_recovers_a_linear_tokenizer() -> None:
@@ -130,7 +130,7 @@ def test_bad_responses_give_a_message_and_an_exit_code(
     behaviour: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with server(behaviour) as url:
-        code = probe.main(args(url))
+        code = probe.run(args(url))
     assert code == probe.EXIT_FAILED
     err = capsys.readouterr().err
     assert message in err
@@ -140,18 +140,18 @@ def test_bad_responses_give_a_message_and_an_exit_code(
 def test_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
     with server("ok") as url:
         pass  # closed again: nothing listens there now
-    assert probe.main(args(url)) == probe.EXIT_FAILED
+    assert probe.run(args(url)) == probe.EXIT_FAILED
     assert "cannot reach" in capsys.readouterr().err
 
 
 def test_refuses_a_remote_url_without_ownership(capsys: pytest.CaptureFixture[str]) -> None:
-    assert probe.main(args("http://192.0.2.1:8000")) == probe.EXIT_USAGE
+    assert probe.run(args("http://192.0.2.1:8000")) == probe.EXIT_USAGE
     assert "not on loopback" in capsys.readouterr().err
 
 
 def test_json_output_of_an_answered_prompt(capsys: pytest.CaptureFixture[str]) -> None:
     with server("ok") as url:
-        code = probe.main(args(url, json=True))
+        code = probe.run(args(url, json=True))
     out = json.loads(capsys.readouterr().out)
     assert code == probe.EXIT_ANSWERED
     assert out["status"] == 200

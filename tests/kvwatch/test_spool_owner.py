@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvspool import records as schema
 from kvspool.writer import SpoolWriter
-from kvwatch.journal import Journal
-from kvwatch.metrics import KvwatchCollector
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.spoolowner import user_name
-from kvwatch.state import State
-from kvwatch.statuspage import Alarm, AlarmSettings, spool_access, summarize
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.expose.status import Alarm, AlarmSettings, spool_access, summarize
+from kvwatch.ingest.spool.owner import user_name
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 from tests import anyuser
 from tests.kvwatch.daemonproc import DaemonProcess
 from tests.kvwatch.spoolgen import Producer

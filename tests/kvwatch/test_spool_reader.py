@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvspool import MAX_RECORD_BYTES, encode_frame, encode_payload
-from kvwatch.incidents_log import IncidentsLog
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import State
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.incidents_log import IncidentsLog
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 from tests.kvwatch.spoolgen import Producer, seqs
 from tests.kvwatch.writer import spool_module
 
@@ -32,9 +32,9 @@ def test_records_events_and_counters_reach_the_journal(
     assert (result.records, result.rejected, result.lost, result.more) == (4, 0, 0, False)
     assert seqs(journal, p.name) == [1, 2, 3, 4]
     [incident] = journal.incidents()
-    assert incident["request_id"] == "req-1"
-    assert incident["node"] == "node-a" and incident["role"] == "decode"
-    assert incident["pages"] == [1, 2, 3, 4, 5, 6, 7]
+    assert incident.request_id == "req-1"
+    assert incident.node == "node-a" and incident.role == "decode"
+    assert incident.pages == [1, 2, 3, 4, 5, 6, 7]
     producer = state.producers[p.name]
     assert producer.gauges["kv_pool_tokens"] == 681280
     assert state.daemon[("spool_records", ())] == 4
@@ -56,7 +56,7 @@ def test_an_incident_takes_the_labels_its_producer_had_when_it_was_read(
     p.index += 1
     p.append(p.hello(), p.event("after"))
     assert reader.poll().records == 4
-    rows = [(i["request_id"], i["model"], i["role"], i["rank"]) for i in journal.incidents()]
+    rows = [(i.request_id, i.model, i.role, i.rank) for i in journal.incidents()]
     assert rows == [("before", "", "other", 0), ("after", "glm-5.3", "decode", 0)]
     counted = {k[1]: v for k, v in state.daemon.items() if k[0] == "incidents"}
     assert counted == {
@@ -76,7 +76,7 @@ def test_resumes_from_the_committed_position_after_a_restart(spool: Path, tmp_pa
     state = second.load()
     SpoolReader(spool, second, state, idle_grace=3600).poll()
     assert seqs(second, p.name) == [1, 2, 3, 4]
-    assert [i["request_id"] for i in second.incidents()] == ["a", "b", "c"]
+    assert [i.request_id for i in second.incidents()] == ["a", "b", "c"]
     assert state.daemon[("spool_records", ())] == 4
 
 
@@ -101,7 +101,7 @@ def test_torn_last_record_waits_while_the_producer_lives_then_counts(
     reader.idle_grace = 0.0
     reader.poll()
     assert rejected(state) == {"torn": 1}
-    assert [i["request_id"] for i in journal.incidents()] == ["whole"]
+    assert [i.request_id for i in journal.incidents()] == ["whole"]
     assert not p.path.exists()  # finished, moved to quarantine
     assert (spool / "q" / p.path.name).exists()
 
@@ -116,7 +116,7 @@ def test_flipped_byte_is_counted_and_the_records_around_it_kept(
     p.append(hello, before, bytes(bad), p.event("after"))
     result = reader.poll()
     assert rejected(state) == {"crc": 1}
-    assert [i["request_id"] for i in journal.incidents()] == ["before", "after"]
+    assert [i.request_id for i in journal.incidents()] == ["before", "after"]
     # The flipped record's sequence number is missing: it shows as one lost record too.
     assert result.lost == 1
     assert journal.scalar("SELECT count(*) FROM rejects WHERE reason = 'crc'") == 1
@@ -129,7 +129,7 @@ def test_damaged_header_resynchronises(
     p.append(p.hello(), b"garbage-bytes-not-a-frame", p.event("after"))
     reader.poll()
     assert rejected(state) == {"framing": 1}
-    assert [i["request_id"] for i in journal.incidents()] == ["after"]
+    assert [i.request_id for i in journal.incidents()] == ["after"]
 
 
 def test_unknown_schema_version_and_malformed_records(
@@ -149,7 +149,7 @@ def test_unknown_schema_version_and_malformed_records(
     )
     reader.poll()
     assert rejected(state) == {"schema": 1, "malformed": 2}
-    assert [i["request_id"] for i in journal.incidents()] == ["ok"]
+    assert [i.request_id for i in journal.incidents()] == ["ok"]
 
 
 def test_oversize_record_is_skipped(
@@ -160,7 +160,7 @@ def test_oversize_record_is_skipped(
     p.append(p.hello(), encode_frame(huge), p.event("after"))
     reader.poll()
     assert rejected(state) == {"oversize": 1}
-    assert [i["request_id"] for i in journal.incidents()] == ["after"]
+    assert [i.request_id for i in journal.incidents()] == ["after"]
 
 
 def test_sequence_gap_is_lost_records_and_a_replay_is_rejected(
@@ -243,7 +243,7 @@ def test_removal_waits_for_the_producer_and_rotation_is_followed(
     live = sorted(spool.glob("*.kvs"))
     assert len(live) == 1  # sealed segments removed, the active one (locked) kept
     assert state.live_producers == 1
-    assert [i["request_id"] for i in journal.incidents()] == [f"r{i}" for i in range(12)]
+    assert [i.request_id for i in journal.incidents()] == [f"r{i}" for i in range(12)]
     writer.close()
     reader.poll()
     assert list(spool.glob("*.kvs")) == []
@@ -299,7 +299,7 @@ def test_journal_failure_rolls_back_and_nothing_is_lost(spool: Path, tmp_path: P
     assert journal.scalar("SELECT count(*) FROM rejects") == 0
     assert state.daemon.get(("spool_records", ()), 0) == 0
     reader.poll()
-    assert [i["request_id"] for i in journal.incidents()] == ["a"]
+    assert [i.request_id for i in journal.incidents()] == ["a"]
     assert seqs(journal, p.name) == [1, 2]
 
 
@@ -312,7 +312,7 @@ def test_privacy_the_journal_holds_no_prompt_text(
     smuggled["prompt"] = "SECRET PROMPT TEXT"  # not in the schema, but JSON allows extra keys
     p.append(hello, encode_frame(encode_payload(smuggled)))
     reader.poll()
-    assert [i["request_id"] for i in journal.incidents()] == ["x"]
+    assert [i.request_id for i in journal.incidents()] == ["x"]
     dump = "\n".join(journal.db.iterdump())
     assert "SECRET" not in dump  # only the schema's fields are stored, never extra keys
 
@@ -330,7 +330,7 @@ def test_privacy_sources_hold_request_ids_and_counts_only(
     honest["sources"] = [{"request_id": "bob", "pages": 3, "instance": "bob#1"}]
     p.append(hello, *(encode_frame(encode_payload(r)) for r in (smuggled, honest)))
     reader.poll()
-    assert [i["request_id"] for i in journal.incidents()] == ["y"]
+    assert [i.request_id for i in journal.incidents()] == ["y"]
     assert journal.scalar("SELECT reason FROM rejects") == "malformed"
     dump = "\n".join(journal.db.iterdump())
     assert "SECRET" not in dump and "alice" not in dump

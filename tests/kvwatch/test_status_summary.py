@@ -13,11 +13,11 @@ import time
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
-from kvwatch.state import State
-from kvwatch.statuspage import STALE_SECONDS, Alarm, AlarmSettings, Summary, alarm
-from kvwatch.statuspage import summarize as summarize_with
+from kvwatch.expose.status import STALE_SECONDS, Alarm, AlarmSettings, Summary, alarm
+from kvwatch.expose.status import summarize as summarize_with
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 from tests.kvwatch.daemonproc import REPO
 from tests.kvwatch.spoolgen import T0, Producer
 

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch import incidents as incident_model
-from kvwatch.state import Producer, State
-from kvwatch.statuspage import Alarm, AlarmSettings, render
+from kvwatch.expose.page import render
+from kvwatch.expose.status import Alarm, AlarmSettings
+from kvwatch.store import incident as incident_model
+from kvwatch.store.state import Producer, State
 from tests.kvwatch.daemonproc import REPO, DaemonProcess
+from tests.kvwatch.views import as_finding
 from tests.kvwatch.writer import spool_module
 
 ARTIFACTS = REPO / "artifacts"
@@ -86,9 +88,9 @@ def test_render_escapes_and_draws_the_band() -> None:
         ],
         "other_sources": 5, "other_source_pages": 9, "id": 1, "producer": "d", "seq": 1,
         "engine_version": "1", "model": "glm", "mode": "log", "action": "logged",
-        "detail": {},
+        "detail": {}, "rank": 0,
     }  # fmt: skip
-    grouped = incident_model.group([incident])
+    grouped = incident_model.group([as_finding(incident)])
     page = render(state, Alarm(AlarmSettings()), grouped)
     assert "<script>alert" not in page and "<b>bob" not in page
     dom = parse(page)
@@ -117,9 +119,9 @@ def test_a_request_stopped_before_it_read_received_nobodys_kv() -> None:
         "sources": [{"request_id": "r1", "instance": "i-1", "pages": 1, "written_at": 0.0}],
         "other_sources": 0, "other_source_pages": 0, "id": 1, "producer": "d", "seq": 1,
         "engine_version": "1", "model": "m", "mode": "enforce", "action": "enforced",
-        "detail": {"stopped_before_read": 1},
+        "detail": {"stopped_before_read": 1}, "rank": 0,
     }  # fmt: skip
-    grouped = incident_model.group([incident])
+    grouped = incident_model.group([as_finding(incident)])
     dom = parse(render(State(), Alarm(AlarmSettings()), grouped))
     text = " ".join(dom.text)
     assert "failed (enforce) before it read: nobody's KV reached it" in text

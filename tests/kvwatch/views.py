@@ -7,13 +7,19 @@ from __future__ import annotations
 import io
 import math
 import re
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvwatch import incidents, statuspage
-from kvwatch.journal import Journal
-from kvwatch.metrics import KvwatchCollector
-from kvwatch.state import State
+from kvspool import Source
+from kvwatch.commands import incidents as views
+from kvwatch.expose import page
+from kvwatch.expose import status as statuspage
+from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.store import incident as incidents
+from kvwatch.store.incident import Finding
+from kvwatch.store.journal import Journal
+from kvwatch.store.state import State
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
@@ -29,13 +35,13 @@ def render_all(state: State, journal: Journal) -> str:
             assert math.isfinite(float(match.group(3))), line
     rows = incidents.group(journal.incidents())
     alarm = statuspage.alarm(journal, statuspage.AlarmSettings(until_ack=True))
-    page = statuspage.render(state, alarm, rows[-20:][::-1], acks=journal.acks())
-    assert "<html" in page.lower()
+    html = page.render(state, alarm, rows[-20:][::-1], acks=journal.acks())
+    assert "<html" in html.lower()
     out = io.StringIO()
-    incidents.render(rows, out, as_json=False)
-    incidents.render(rows, out, as_json=True)
+    views.render(rows, out, as_json=False)
+    views.render(rows, out, as_json=True)
     assert f"{len(rows)} incident(s)" in out.getvalue()
-    incidents.exposure(rows, since=None, until=None)
+    views.exposure(rows, since=None, until=None)
     return text
 
 
@@ -46,3 +52,11 @@ def sample(text: str, name: str, labels: str = "") -> float:
         if match and match.group(1) == name and (match.group(2) or "") == labels:
             return float(match.group(3))
     return 0.0
+
+
+def as_finding(row: dict[str, Any]) -> Finding:
+    """A finding written as the views show it (``time``, sources as dicts)."""
+    fields = dict(row)
+    fields["ts"] = fields.pop("time")
+    fields["sources"] = [Source(**source) for source in fields["sources"]]
+    return Finding(**fields)

@@ -29,10 +29,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine_hooks.testing import read_spool
+from kvspool import Source
 from kvspool.records import stopped_before_read
-from kvwatch.incidents import counts, exposure, group
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
+from kvwatch.commands.incidents import exposure
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.incident import Finding, counts, group
+from kvwatch.store.journal import Journal
 from minipd.releases import RELEASES
 from tests.minipd.inprocess import Engine, Reads
 
@@ -196,32 +198,33 @@ def check(events: list[dict[str, Any]], reads: dict[str, Reads]) -> None:
             assert source["pages"] <= truth[rid][0], f"{what}; it read {truth[rid]} of {rid}"
 
 
-def view_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events as the journal's incident rows (the fields ``exposure`` reads)."""
+def view_rows(events: list[dict[str, Any]]) -> list[Finding]:
+    """The events as the journal's findings (what ``group`` and ``exposure`` read)."""
     return [
-        {
-            "node": "n",
-            "producer": "p",
-            "seq": i,
-            "time": float(i),
-            "role": "decode",
-            "engine": "minipd",
-            "engine_version": "",
-            "model": "",
-            "request_id": e["request_id"],
-            "instance": e.get("instance"),
-            "detector": e["detector"],
-            "kind": e["kind"],
-            "action": e["action"],
-            "mode": e.get("mode", "log"),
-            "id": i + 1,
-            "pages": list(e.get("pages") or []),
-            "detail": e.get("detail") or {},
-            "pages_total": e["pages_total"],
-            "sources": [{**s, "instance": s.get("instance")} for s in e.get("sources") or []],
-            "other_sources": e.get("other_sources") or 0,
-            "other_source_pages": e.get("other_source_pages") or 0,
-        }
+        Finding(
+            id=i + 1,
+            ts=float(i),
+            node="n",
+            producer="p",
+            seq=i,
+            role="decode",
+            engine="minipd",
+            engine_version="",
+            model="",
+            rank=0,
+            request_id=e["request_id"],
+            instance=e.get("instance"),
+            detector=e["detector"],
+            kind=e["kind"],
+            mode=e.get("mode", "log"),
+            action=e["action"],
+            pages=list(e.get("pages") or []),
+            pages_total=e["pages_total"],
+            sources=[Source(**s) for s in e.get("sources") or []],
+            other_sources=e.get("other_sources") or 0,
+            other_source_pages=e.get("other_source_pages") or 0,
+            detail=e.get("detail") or {},
+        )
         for i, e in enumerate(events)
     ]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspool import catalogue, schema
-from kvwatch.metrics import LOG_ERROR_REASONS
+from kvwatch.expose.metrics import LOG_ERROR_REASONS
 from tests.kvwatch.writer import spool_module
 from tests.reliability.tools import DaemonProcess, metric, rss_kib, series, wait_for
 

@@ -43,8 +43,9 @@ import structlog
 import kvspool
 import kvspool.writer
 from kvspool import MAGIC, SpoolWriter, decode_payload, encode_frame, encode_payload, iter_frames
-from kvwatch.journal import Journal
-from kvwatch.spool_reader import SpoolReader
+from kvspool.records import TYPE_NAME
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import Journal
 from tests.kvwatch.views import render_all, sample
 
 LONG = int(os.environ.get("KVWATCH_FUZZ_EXAMPLES", "0"))
@@ -146,7 +147,7 @@ def write_producer(spool: Path, rng: random.Random, tag: int) -> Case:
             assert frame.payload is not None
             record = decode_payload(frame.payload)
             rid = getattr(record, "request_id", None)
-            records[record.seq] = (type(record).__name__.lower(), rid)
+            records[record.seq] = (TYPE_NAME[type(record)], rid)
             pieces.append(Piece(bytearray(encode_frame(frame.payload)), seq=record.seq))
         segments[path.name] = pieces
         path.unlink()
@@ -378,11 +379,11 @@ def check(case: Case, journal: Journal, rejects: list[tuple[str, int, int, str]]
     missing, extra = sorted(set(intact) - set(seqs)), sorted(set(seqs) - set(intact))
     assert not missing and not extra, ("missing", missing, "extra", extra, why)
     events = {rid: seq for seq, (kind, rid) in intact.items() if kind == "event"}
-    rows = [i for i in journal.incidents() if i["producer"] == case.producer]
-    assert sorted(i["request_id"] for i in rows) == sorted(events), why
+    rows = [i for i in journal.incidents() if i.producer == case.producer]
+    assert sorted(i.request_id for i in rows) == sorted(events), why
     # The labels its hello gave (not the node: an incident names the daemon's node).
     for row in rows:
-        labels = {k: row[k] for k in ("role", "engine", "engine_version", "model", "rank")}
+        labels = {k: getattr(row, k) for k in ("role", "engine", "engine_version", "model", "rank")}
         assert labels == case.labels, (row, why)
     reasons = Counter(r[3] for r in mine)
     assert reasons["hello"] == case.inserted("forged_hello") + case.inserted("replay_hello"), (

@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 import kvspool
 from kvspool import schema
-from kvwatch.journal import Journal
-from kvwatch.logparse import LineError, LogParser, parse_line
-from kvwatch.spool_reader import SpoolReader
+from kvwatch.ingest.logs.parse import LineError, LogParser, parse_line
+from kvwatch.ingest.spool.reader import SpoolReader
+from kvwatch.store.journal import Journal
 from tests.kvwatch.spoolgen import Producer
 from tests.kvwatch.views import render_all
 from tests.reliability.fuzz_junk import JUNK_KINDS, add_junk
@@ -200,7 +200,7 @@ def test_spool_reader_never_raises(bodies: list[bytes], good_records: int, junk:
             reader.poll()
             assert not list(spool.glob("fz.*.kvs"))  # finished: nothing wedged
             assert not list(spool.glob("good-*.kvs"))
-            committed = {i["request_id"] for i in journal.incidents() if i["producer"] == good.name}
+            committed = {i.request_id for i in journal.incidents() if i.producer == good.name}
             assert committed == {f"good-{i}" for i in range(good_records)}
             render_all(state, journal)
         finally:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import kvspool
-from kvwatch.journal import Journal
+from kvwatch.store.journal import Journal
 from tests.reliability.tools import REPO, DaemonProcess, metric, wait_for
 
 KILLS = 5

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.journal import Journal
+from kvwatch.store.journal import Journal
 from tests.kvwatch.spoolgen import Producer
 from tests.reliability.tools import DaemonProcess, metric, wait_for
 

@@ -17,8 +17,8 @@ from typing import Final
 
 import structlog
 
-from kvwatch.logparse import MAX_LINE_CHARS, LogParser
-from kvwatch.state import EngineLogView, State
+from kvwatch.ingest.logs.parse import MAX_LINE_CHARS, LogParser
+from kvwatch.store.state import EngineLogView, State
 
 #: Bytes read per file per poll, so one huge log cannot stall the daemon.
 READ_BYTES: Final = 4 << 20

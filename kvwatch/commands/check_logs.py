@@ -11,14 +11,17 @@ counts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from kvspool.catalogue import unsafe_band
-from kvwatch.logparse import LogParser
+from kvwatch.commands.clihelp import add_command
+from kvwatch.commands.common import ROLES
+from kvwatch.ingest.logs.parse import LogParser
 
 EXIT_OK = 0
 EXIT_BAND = 1
@@ -165,3 +168,36 @@ def smallest_band_from_files(paths: list[str]) -> tuple[int, int]:
     pools = [r.pool_tokens for r in rows if r.pool_tokens is not None]
     contexts = [r.context_length_tokens for r in rows if r.context_length_tokens is not None]
     return min(pools), min(contexts)
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = check_files(args.files, role=args.role)
+    render(rows, sys.stdout, as_json=args.json)
+    return exit_status(rows)
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    check = add_command(
+        commands,
+        "check-logs",
+        help="gate a deploy on KV pool >= context length on every node (exit 1 if not)",
+        description="Read engine start-up logs and print, per node and role, the KV pool, the "
+        "context length and the unsafe band between them. Exit 0: no band; 1: a band; 2: a "
+        "file without a start-up line, or unreadable.",
+        examples=[
+            "kvwatch check-logs /var/log/sglang/prefill.log /var/log/sglang/decode.log",
+            "kubectl logs deploy/decode | kvwatch check-logs --role decode -",
+        ],
+    )
+    check.add_argument("files", nargs="+", metavar="FILE", help="engine logs ('-' for stdin)")
+    check.add_argument(
+        "--role",
+        choices=sorted(ROLES),
+        help="role for lines without a 'prefill:'/'decode:' prefix (default: from the file name)",
+    )
+    check.add_argument("--json", action="store_true", help="a JSON array, for machines")
+
+    return check

@@ -2,8 +2,9 @@
 
 Prometheus pages after scrape + evaluation + ``group_wait`` (about 41 s at worst with production
 intervals, ``alerts/runbook.md``). The daemon knows of a mismatch the moment it reads the spool,
-so for every alert of :mod:`kvwatch.rules` whose condition is a counter's increase
-(:attr:`kvwatch.rules.Alert.increase`) it evaluates that condition on its own ``/metrics`` samples
+so for every alert of :mod:`kvwatch.alerting.rules` whose condition is a counter's increase
+(:attr:`kvwatch.alerting.rules.Alert.increase`)
+it evaluates that condition on its own ``/metrics`` samples
 and posts the alert to every configured Alertmanager (``POST /api/v2/alerts``, as Prometheus
 sends to all of them and the cluster deduplicates), with exactly the labels the rule gives it:
 ``alertname``, the rule's labels, the ``by`` labels of its expression (``node`` from the
@@ -23,6 +24,9 @@ Posting never blocks ingestion: the evaluation runs on its own thread and hands 
 sender thread per Alertmanager through a bounded queue (the oldest batch is dropped when full);
 every post is counted in ``kvwatch_alertmanager_posts_total{result}``. The Prometheus rule stays
 the path that survives a daemon that cannot reach Alertmanager.
+
+Longer than 450 lines: the templates, the alert state machine and the send loops share the
+timing rules above; apart, each would restate them.
 """
 
 from __future__ import annotations
@@ -46,9 +50,9 @@ import structlog
 from prometheus_client.core import Metric
 
 from kvspool import catalogue
+from kvwatch.alerting.rules import ALERTS, Alert, Context, Increase
 from kvwatch.config import Config, ConfigError
-from kvwatch.rules import ALERTS, Alert, Context, Increase
-from kvwatch.state import State
+from kvwatch.store.state import State
 
 #: How often the conditions are evaluated when no spool poll wakes the pager.
 TICK: Final = 1.0
@@ -88,7 +92,8 @@ def render(
 ) -> str:
     """The template language subset the counter alerts use: ``{{ $labels.x }}``,
     ``{{ $value }}``, ``{{ $value | printf "%.Nf" }}`` and an alert's context numbers
-    (``{{ <name> }}``, :class:`kvwatch.rules.Context`, shown as Prometheus shows them: ``%.0f``);
+    (``{{ <name> }}``, :class:`kvwatch.alerting.rules.Context`, shown as Prometheus shows
+    them: ``%.0f``);
     anything else is a ValueError (a test renders every counter alert's annotations, so a new
     construct fails there, not at 3 a.m.)."""
 
@@ -118,7 +123,7 @@ def fast_alerts() -> tuple[Alert, ...]:
 def counter_labels(counter: str) -> tuple[str, ...]:
     """The labels the daemon's /metrics gives the catalogued counter ``kvwatch_<counter>``."""
     family = catalogue.PREFIX + counter
-    for series in catalogue.COUNTERS:
+    for series in catalogue.COUNTER_SERIES:
         if series.family == family:
             return series.label_names
     found = catalogue.FAMILY_BY_NAME.get(family)
@@ -246,7 +251,7 @@ class Pager:
         self.urls = list(config.alertmanager_urls) if config.alertmanager_enabled else []
         self.alerts = fast_alerts()
         self.families = {catalogue.exposed(a.increase.counter) for a in self.alerts if a.increase}
-        #: The alerts' context numbers (:class:`kvwatch.rules.Context`): their samples, by
+        #: The alerts' context numbers (:class:`kvwatch.alerting.rules.Context`): their samples, by
         #: (name, kept label values), trimmed to the window.
         self.contexts = {c.name: c for a in self.alerts for c in a.context}
         self.families |= {catalogue.exposed(c.counter) for c in self.contexts.values()}

@@ -83,26 +83,22 @@ def clean(line: str) -> str:
     return ANSI.sub("", line).rstrip("\r\n")
 
 
-def parse_line(raw: str) -> Reading | None:
-    """The fields of one log line, or None when it has none. Raises :class:`LineError`."""
-    if len(raw) > MAX_LINE_CHARS:
-        raise LineError("line too long")
-    line = clean(raw)
-    role: str | None = None
-    prefix = ROLE_PREFIX.match(line)
-    if prefix:
-        role = prefix.group(1).lower()
-        line = line[prefix.end() :]
+def _sglang(line: str, reading: Reading) -> bool:
+    """SGLang's start-up line: the pool, and the context and rank beside it."""
+    if (match := _SG_POOL.search(line)) is None:
+        return False
+    reading.engine = "sglang"
+    reading.pool_tokens = _int(match.group(1))
+    if (match := _SG_CONTEXT.search(line)) is not None:
+        reading.context_length_tokens = _int(match.group(1))
+    if (match := _TP.search(line)) is not None:
+        reading.rank = int(match.group(1))
+    return True
+
+
+def _vllm(line: str, reading: Reading) -> bool:
+    """vLLM's lines: each says one of the pool, the context, the blocks or the version."""
     found = False
-    reading = Reading(engine="other", role=role)
-    if (match := _SG_POOL.search(line)) is not None:
-        reading.engine = "sglang"
-        reading.pool_tokens = _int(match.group(1))
-        found = True
-        if (match := _SG_CONTEXT.search(line)) is not None:
-            reading.context_length_tokens = _int(match.group(1))
-        if (match := _TP.search(line)) is not None:
-            reading.rank = int(match.group(1))
     if (match := _VL_KV.search(line)) is not None:
         reading.engine = "vllm"
         reading.pool_tokens = _int(match.group(1))
@@ -123,6 +119,22 @@ def parse_line(raw: str) -> Reading | None:
         reading.engine = "vllm"
         reading.version = match.group(1)
         found = True
+    return found
+
+
+def parse_line(raw: str) -> Reading | None:
+    """The fields of one log line, or None when it has none. Raises :class:`LineError`."""
+    if len(raw) > MAX_LINE_CHARS:
+        raise LineError("line too long")
+    line = clean(raw)
+    role: str | None = None
+    prefix = ROLE_PREFIX.match(line)
+    if prefix:
+        role = prefix.group(1).lower()
+        line = line[prefix.end() :]
+    reading = Reading(engine="other", role=role)
+    found = _sglang(line, reading)
+    found = _vllm(line, reading) or found
     if found:
         if (match := _VL_BLOCK_SIZE.search(line)) is not None:
             reading.block_size = _int(match.group(1))

@@ -15,7 +15,7 @@ from typing import Final
 
 from kvspool import catalogue
 from kvspool.records import SERIES_OF, CounterSeries
-from kvwatch.spoolowner import Ignored
+from kvwatch.ingest.spool.owner import Ignored
 
 OTHER: Final = catalogue.OTHER
 #: Distinct model names / engine versions / ranks kept as label values before "other".
@@ -100,7 +100,7 @@ class Segment:
 @dataclass(slots=True)
 class EngineLogView:
     """What an engine log says about one engine rank: a snapshot of its
-    :class:`kvwatch.logparse.EngineView` (``source="log"`` on /metrics)."""
+    :class:`kvwatch.ingest.logs.parse.EngineView` (``source="log"`` on /metrics)."""
 
     role: str
     engine: str

@@ -7,6 +7,10 @@ after a restart the reader resumes from the committed position. Detection events
 ``records`` (producer, sequence number, type, time) for accounting. Nothing here holds prompt
 text, token ids or KV bytes: the spool schema carries none, and rejected frames are recorded by
 position and reason only.
+
+Longer than 450 lines: every SQL statement of the daemon lives here (the schema, its
+migrations, the hot path's INSERTs, the prune and the queries), so that one file shows the
+journal whole.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import attrgetter
 from pathlib import Path
-from typing import Any, Final, NamedTuple, Protocol, get_args, get_type_hints
+from typing import Any, Final, NamedTuple, get_args, get_type_hints
 
 import msgspec
 
-from kvspool.records import CounterSeries
-from kvwatch.state import (
+from kvspool.records import CounterSeries, Source
+from kvwatch.store.incident import FINDING_FIELDS, Finding
+from kvwatch.store.state import (
     LabelKey,
     Producer,
     Segment,
@@ -40,32 +46,6 @@ MAX_RETIRED_PRODUCERS: Final = 1024
 #: A retired producer is never folded sooner: one whose spool directory was removed comes back
 #: with new segments within seconds, and folding it would count its counters twice.
 RETIRED_GRACE: Final = 600.0
-
-
-class IncidentRow(NamedTuple):
-    """One row of ``incidents``: the table, its INSERT and its SELECT derive from this."""
-
-    ts: float
-    node: str
-    role: str
-    engine: str
-    engine_version: str
-    model: str
-    rank: int
-    producer: str
-    seq: int
-    request_id: str
-    instance: str | None
-    detector: str
-    kind: str
-    mode: str
-    action: str
-    pages: str  # JSON array of page ids
-    pages_total: int
-    detail: str  # JSON object
-    #: Source requests beyond the ones named in ``exposures``, and their pages.
-    other_sources: int
-    other_source_pages: int
 
 
 class ExposureRow(NamedTuple):
@@ -110,17 +90,55 @@ class RejectRow(NamedTuple):
     seq: int | None = None
 
 
-_SQL_TYPES: Final = {float: "REAL", int: "INTEGER", str: "TEXT"}
+#: A field's SQL type: lists and dicts (a finding's pages and detail) are stored as JSON text.
+_SQL_TYPES: Final = {float: "REAL", int: "INTEGER", str: "TEXT", list: "TEXT", dict: "TEXT"}
 
 
-def _columns(row: type[tuple[Any, ...]]) -> str:
-    out = []
+#: The value a column added to an older journal gives the rows it already holds.
+_SQL_DEFAULTS: Final = {float: "0.0", int: "0", str: "''", list: "'[]'", dict: "'{}'"}
+
+
+def _column_types(row: type) -> dict[str, tuple[type, bool]]:
+    """Each field's base type (``list[int]`` -> list) and whether it may be null."""
+    out = {}
     for name, hint in get_type_hints(row).items():
         args = get_args(hint)
-        base = next(a for a in args if a is not type(None)) if args else hint
-        null = "" if args else " NOT NULL"
-        out.append(f"{name} {_SQL_TYPES[base]}{null}")
-    return ", ".join(out)
+        optional = type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        out[name] = (getattr(base, "__origin__", base), optional)
+    return out
+
+
+def _columns(row: type, names: tuple[str, ...] | None = None) -> str:
+    types = _column_types(row)
+    return ", ".join(
+        f"{name} {_SQL_TYPES[base]}{'' if optional else ' NOT NULL'}"
+        for name, (base, optional) in types.items()
+        if names is None or name in names
+    )
+
+
+def _default(name: str) -> str:
+    """What a finding's column reads as where a journal older than the field lacks it."""
+    base, optional = _column_types(Finding)[name]
+    return "NULL" if optional else _SQL_DEFAULTS[base]
+
+
+#: The columns of ``incidents``: a finding's fields but its ``id`` (the row's) and its
+#: ``sources`` (its ``exposures`` rows). The producer's labels first: a run of one producer's
+#: findings binds them once per INSERT (see _insert_findings).
+_SHARED: Final = ("node", "role", "engine", "engine_version", "model", "rank", "producer")
+_JSON: Final = ("pages", "detail")
+_OWN: Final = tuple(f for f in FINDING_FIELDS if f not in (*_SHARED, *_JSON, "id", "sources"))
+FINDING_COLUMNS: Final = (*_SHARED, *_OWN, *_JSON)
+_shared_of: Final = attrgetter(*_SHARED)
+_own_of: Final = attrgetter(*_OWN)
+#: A row of the SELECT (``id``, then FINDING_COLUMNS) -> the Finding's arguments, in order.
+_FROM_ROW: Final = tuple(
+    None if f == "sources" else (1 + FINDING_COLUMNS.index(f) if f != "id" else 0)
+    for f in FINDING_FIELDS
+)
+_JSON_AT: Final = tuple(FINDING_FIELDS.index(f) for f in _JSON)
 
 
 def _insert(table: str, row: type[tuple[Any, ...]]) -> str:
@@ -128,68 +146,108 @@ def _insert(table: str, row: type[tuple[Any, ...]]) -> str:
     return f"INSERT INTO {table} ({', '.join(fields)})"
 
 
-#: Rows per INSERT on the hot path (records, incidents). One multi-row ``VALUES`` statement binds
-#: the same parameters as a row-by-row ``executemany`` but runs the statement once per chunk:
-#: about 0.7 µs of SQLite's 3.1 µs per record in bench/daemon.py's catch-up (64 rows: within
-#: noise of 128; 8: half the gain). An incident chunk has 711 parameters: under 999, the
-#: smallest limit a SQLite build has had.
+#: Rows per INSERT on the hot path (records, findings). One multi-row ``VALUES`` statement binds
+#: the same parameters as a row-by-row ``executemany`` but runs the statement once per chunk
+#: (the figures: docs/performance.md, "The daemon's catch-up").
 ROWS_PER_INSERT: Final = 64
 
 
 class _Insert:
     """``INSERT INTO ...`` for rows of ``width`` values: whole chunks of ``ROWS_PER_INSERT`` rows
-    as one statement each, the rest row by row. Row order, and so rowid order, is kept.
+    as one statement each, the rest row by row. Row order, and so rowid order, is kept."""
 
-    ``shared``: the values consecutive rows repeat (an incident's producer labels). A chunk of
-    rows that all repeat them binds them once, not once per row: binding a parameter is most
-    of what a row costs SQLite (about 60 ns each)."""
-
-    def __init__(self, head: str, width: int, shared: slice = slice(0, 0)) -> None:
-        a: int = shared.start
-        b: int = shared.stop
-        common, own = b - a, width - (b - a)
-
-        def number(k: int, i: int) -> int:  # row k's value i -> its parameter's number
-            if a <= i < b:
-                return i - a + 1
-            return common + k * own + (i if i < a else i - common) + 1
-
-        rows = (
-            f"({', '.join(f'?{number(k, i)}' for i in range(width))})"
-            for k in range(ROWS_PER_INSERT)
-        )
-        self.a, self.b = a, b
+    def __init__(self, head: str, width: int) -> None:
         self.one = f"{head} VALUES ({', '.join('?' * width)})"
-        self.many = f"{head} VALUES {', '.join(rows)}"
+        row = f"({', '.join('?' * width)})"
+        self.many = f"{head} VALUES {', '.join([row] * ROWS_PER_INSERT)}"
 
     def __call__(self, db: sqlite3.Connection, rows: Sequence[Sequence[Any]]) -> None:
-        a, b = self.a, self.b
-        start, count = 0, len(rows)
-        while start < count:
-            stop = count
-            if a < b:  # the run of rows that repeat this one's shared values
-                common = rows[start][a:b]
-                stop = start + 1
-                while stop < count and rows[stop][a:b] == common:
-                    stop += 1
-            full = stop - (stop - start) % ROWS_PER_INSERT
-            if full > start:
-                # A row of the wrong width fails its chunk's parameter count, as it would alone.
-                chunks = []
-                for first in range(start, full, ROWS_PER_INSERT):
-                    chunk = rows[first : first + ROWS_PER_INSERT]
-                    if a < b:
-                        flat = list(common)
-                        for row in chunk:
-                            flat += row[:a]
-                            flat += row[b:]
-                    else:
-                        flat = list(chain.from_iterable(chunk))
-                    chunks.append(flat)
-                db.executemany(self.many, chunks)
-            if full < stop:
-                db.executemany(self.one, rows[full:stop])
-            start = stop
+        # A row of the wrong width fails its chunk's parameter count, as it would alone.
+        full = len(rows) - len(rows) % ROWS_PER_INSERT
+        if full:
+            db.executemany(
+                self.many,
+                [
+                    list(chain.from_iterable(rows[first : first + ROWS_PER_INSERT]))
+                    for first in range(0, full, ROWS_PER_INSERT)
+                ],
+            )
+        if full < len(rows):
+            db.executemany(self.one, rows[full:])
+
+
+#: Findings per INSERT: ROWS_PER_INSERT, fewer if a chunk's parameters would pass 999 (the
+#: smallest limit a SQLite build has had), whatever fields Finding gains.
+_FINDING_ROWS: Final = min(
+    ROWS_PER_INSERT, (999 - len(_SHARED)) // (len(FINDING_COLUMNS) - len(_SHARED))
+)
+
+
+def _findings_insert() -> tuple[str, str]:
+    """The INSERTs of findings: one row, and ``_FINDING_ROWS`` rows that share the producer's
+    labels, bound once (``?1``.. ``?7``): binding a parameter is most of what a row costs
+    SQLite (docs/performance.md)."""
+    head = f"INSERT INTO incidents ({', '.join(FINDING_COLUMNS)})"
+    common, own = len(_SHARED), len(FINDING_COLUMNS) - len(_SHARED)
+    shared = ", ".join(f"?{i + 1}" for i in range(common))
+    rows = (
+        f"({shared}, {', '.join(f'?{common + k * own + i + 1}' for i in range(own))})"
+        for k in range(_FINDING_ROWS)
+    )
+    return (
+        f"{head} VALUES ({', '.join('?' * len(FINDING_COLUMNS))})",
+        f"{head} VALUES {', '.join(rows)}",
+    )
+
+
+_INSERT_FINDING, _INSERT_FINDINGS = _findings_insert()
+
+
+def _insert_findings(db: sqlite3.Connection, findings: list[Finding]) -> None:
+    """Insert ``findings`` in order (ids follow it): runs of one producer's labels in chunks of
+    ``_FINDING_ROWS`` rows, the rest row by row."""
+    encode, shared_of, own_of = _encode_json, _shared_of, _own_of
+    start, count = 0, len(findings)
+    while start < count:
+        common = shared_of(findings[start])
+        stop = start + 1
+        while stop < count and shared_of(findings[stop]) == common:
+            stop += 1
+        full = stop - (stop - start) % _FINDING_ROWS
+        chunks = []
+        for first in range(start, full, _FINDING_ROWS):
+            flat = list(common)
+            for f in findings[first : first + _FINDING_ROWS]:
+                flat += own_of(f)
+                flat.append(encode(f.pages).decode())
+                flat.append(encode(f.detail).decode() if f.detail else "{}")
+            chunks.append(flat)
+        if chunks:
+            db.executemany(_INSERT_FINDINGS, chunks)
+        if full < stop:
+            db.executemany(
+                _INSERT_FINDING,
+                [
+                    (
+                        *common,
+                        *own_of(f),
+                        encode(f.pages).decode(),
+                        encode(f.detail).decode() if f.detail else "{}",
+                    )
+                    for f in findings[full:stop]
+                ],
+            )
+        start = stop
+
+
+def _exposures(findings: list[Finding]) -> list[tuple[Any, ...]]:
+    """The ``exposures`` rows of ``findings``: one per source (a reader -> source edge)."""
+    return [
+        (f.producer, f.seq, f.ts, s.request_id, s.instance, s.pages, s.written_at)
+        for f in findings
+        if f.sources
+        for s in f.sources
+    ]
 
 
 def _select(table: str, row: type[tuple[Any, ...]]) -> str:
@@ -214,7 +272,9 @@ CREATE TABLE IF NOT EXISTS segments (
 CREATE TABLE IF NOT EXISTS records (
     producer INTEGER NOT NULL, seq INTEGER NOT NULL, type TEXT NOT NULL, ts REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS incidents (id INTEGER PRIMARY KEY, {_columns(IncidentRow)});
+CREATE TABLE IF NOT EXISTS incidents (
+    id INTEGER PRIMARY KEY, {_columns(Finding, FINDING_COLUMNS)}
+);
 CREATE INDEX IF NOT EXISTS incidents_ts ON incidents (ts);
 CREATE TABLE IF NOT EXISTS exposures (id INTEGER PRIMARY KEY, {_columns(ExposureRow)});
 CREATE INDEX IF NOT EXISTS exposures_reader ON exposures (producer, seq);
@@ -249,20 +309,9 @@ _MIGRATIONS: Final = {1: _MIGRATE_1, 2: _MIGRATE_2, 3: _MIGRATE_3}
 _INSERT_ACK: Final = _insert("acks", AckRow) + " VALUES (?, ?, ?, ?, ?, ?)"
 _SELECT_ACKS: Final = _select("acks", AckRow) + " ORDER BY id"
 _insert_records: Final = _Insert("INSERT INTO records", 4)
-_insert_incidents: Final = _Insert(
-    _insert("incidents", IncidentRow),
-    len(IncidentRow._fields),
-    # node, role, engine, engine_version, model, rank, producer: the same for a producer's rows
-    slice(IncidentRow._fields.index("node"), IncidentRow._fields.index("producer") + 1),
-)
 _insert_exposures: Final = _Insert(_insert("exposures", ExposureRow), len(ExposureRow._fields))
 _SELECT_EXPOSURES: Final = _select("exposures", ExposureRow)
 _INSERT_REJECT: Final = _Insert(_insert("rejects", RejectRow), len(RejectRow._fields)).one
-_SELECT_INCIDENTS_ID: Final = "SELECT id, " + _select("incidents", IncidentRow)[len("SELECT ") :]
-#: A schema 2 journal, read only: no sources.
-_SELECT_INCIDENTS_2: Final = _SELECT_INCIDENTS_ID.replace(
-    "other_sources, other_source_pages", "0, 0"
-)
 _PRODUCER_COLUMNS: Final = (
     "id, name, engine, engine_version, role, model, rank, node, pid, first_seen, last_ts,"
     " last_seq, counters, gauges, retired, retired_at"
@@ -274,17 +323,14 @@ _decode_json: Final = msgspec.json.Decoder().decode
 _SEP: Final = "\x1f"  # joins label values in the counters table
 
 
-class CommitListener(Protocol):
-    """Told what the journal stored, after the commit (the incidents log)."""
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What one commit stored of findings (:meth:`Journal.commit`): ``findings`` with ids
+    ``first`` and up, or ``first`` 0 when SQLite's ids for them could not be checked (the
+    incidents log then reads them back)."""
 
-    def committed(
-        self, first: int, incidents: list[IncidentRow], exposures: list[ExposureRow]
-    ) -> None:
-        """``incidents`` were stored with ids ``first`` and up, with ``exposures``; must not
-        raise (the commit is done)."""
-
-    def pruned(self, cutoff: float) -> None:
-        """Incidents older than ``cutoff`` were deleted (an id may be handed out again)."""
+    first: int
+    findings: list[Finding]
 
 
 def _labels_text(labels: LabelKey) -> str:
@@ -300,8 +346,8 @@ class Batch:
     """What one transaction writes: rows to add and the state rows they change."""
 
     records: list[tuple[int, int, str, float]] = field(default_factory=list)
-    incidents: list[IncidentRow] = field(default_factory=list)
-    exposures: list[ExposureRow] = field(default_factory=list)
+    #: Findings to store; their sources become ``exposures`` rows.
+    findings: list[Finding] = field(default_factory=list)
     rejects: list[RejectRow] = field(default_factory=list)
     gaps: list[tuple[float, str, int, int]] = field(default_factory=list)
     segments: dict[str, Segment] = field(default_factory=dict)
@@ -363,41 +409,8 @@ class Journal:
 
     def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
         self.path = Path(path)
-        #: Told each commit's incidents with their ids (the incidents log): it need not read
-        #: them back.
-        self.listener: CommitListener | None = None
         if readonly:
-            if not self.path.exists():
-                raise JournalError(f"no journal at {self.path}")
-            if self.path.is_file() and self.path.stat().st_size == 0:
-                raise JournalError(
-                    f"{self.path} is empty: no kvwatch daemon has started on it (give the "
-                    "daemon's journal)"
-                )
-            uri = f"file:{self.path}?mode=ro"
-            self.db = sqlite3.connect(uri, uri=True, isolation_level=None)
-            self.db.execute("PRAGMA query_only = ON")
-            foreign = _not_a_journal(self.path, self.db)
-            if foreign:
-                self.db.close()
-                raise JournalError(foreign)
-            if not self.db.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
-            ).fetchone():
-                self.db.close()
-                raise JournalError(
-                    f"{self.path} is an SQLite database but not a kvwatch journal (no kvwatch "
-                    "tables); give the daemon's journal"
-                )
-            schema = self.meta("schema")
-            # A reader may hold a journal the daemon has not migrated yet (a copy from another
-            # node, an older kvwatch): schema 2 reads as one without sources, 3 as one without
-            # acknowledgements.
-            self.schema = int(schema) if schema is not None and schema.isdigit() else 0
-            if self.schema not in (2, 3, SCHEMA_VERSION):
-                raise JournalError(
-                    f"{self.path}: journal schema {schema}, expected 2 to {SCHEMA_VERSION}"
-                )
+            self._open_readonly()
             return
         self.schema = SCHEMA_VERSION
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -430,12 +443,54 @@ class Journal:
         elif row and int(row[0]) != SCHEMA_VERSION:
             raise JournalError(f"{self.path}: journal schema {row[0]}, expected {SCHEMA_VERSION}")
         self.db.executescript(_SCHEMA)
+        # A field added to Finding is a column added to a journal that predates it.
+        for name in sorted(set(FINDING_COLUMNS) - self._finding_columns()):
+            default = _default(name)
+            column = _columns(Finding, (name,)) + (
+                "" if default == "NULL" else f" DEFAULT {default}"
+            )
+            self.db.execute(f"ALTER TABLE incidents ADD COLUMN {column}")
         if not row:
             self.db.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
             )
         # Names this journal in the incidents log, whose high-water mark is only valid for it.
         self.db.execute("INSERT OR IGNORE INTO meta VALUES ('journal_id', ?)", (uuid.uuid4().hex,))
+
+    def _open_readonly(self) -> None:
+        """A query connection (``kvwatch incidents``, ``ack``, the status page): never
+        writes, refuses what is not a kvwatch journal."""
+        if not self.path.exists():
+            raise JournalError(f"no journal at {self.path}")
+        if self.path.is_file() and self.path.stat().st_size == 0:
+            raise JournalError(
+                f"{self.path} is empty: no kvwatch daemon has started on it (give the "
+                "daemon's journal)"
+            )
+        uri = f"file:{self.path}?mode=ro"
+        self.db = sqlite3.connect(uri, uri=True, isolation_level=None)
+        self.db.execute("PRAGMA query_only = ON")
+        foreign = _not_a_journal(self.path, self.db)
+        if foreign:
+            self.db.close()
+            raise JournalError(foreign)
+        if not self.db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+        ).fetchone():
+            self.db.close()
+            raise JournalError(
+                f"{self.path} is an SQLite database but not a kvwatch journal (no kvwatch "
+                "tables); give the daemon's journal"
+            )
+        schema = self.meta("schema")
+        # A reader may hold a journal the daemon has not migrated yet (a copy from another
+        # node, an older kvwatch): schema 2 reads as one without sources, 3 as one without
+        # acknowledgements.
+        self.schema = int(schema) if schema is not None and schema.isdigit() else 0
+        if self.schema not in (2, 3, SCHEMA_VERSION):
+            raise JournalError(
+                f"{self.path}: journal schema {schema}, expected 2 to {SCHEMA_VERSION}"
+            )
 
     def close(self) -> None:
         self.db.close()
@@ -499,8 +554,9 @@ class Journal:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def commit(self, batch: Batch, state: State) -> None:
-        """Write ``batch`` in one transaction; on any error nothing of it is written."""
+    def commit(self, batch: Batch, state: State) -> Stored | None:
+        """Write ``batch`` in one transaction; on any error nothing of it is written. Returns
+        the findings it stored, with their ids (None: none)."""
         db = self.db
         now = time.time()
         try:
@@ -508,19 +564,17 @@ class Journal:
             if batch.records:
                 _insert_records(db, batch.records)
             first = 0
-            if batch.incidents:
+            findings = batch.findings
+            if findings:
                 # No AUTOINCREMENT: SQLite gives a row max(id) + 1, so rows inserted in order
                 # take the ids after it (checked: the last one must be first + n - 1).
-                if self.listener is not None:
-                    first = db.execute("SELECT coalesce(max(id), 0) + 1 FROM incidents").fetchone()[
-                        0
-                    ]
-                _insert_incidents(db, batch.incidents)
-                if first:
-                    last = db.execute("SELECT last_insert_rowid()").fetchone()[0]
-                    first = first if last == first + len(batch.incidents) - 1 else 0
-            if batch.exposures:
-                _insert_exposures(db, batch.exposures)
+                first = db.execute("SELECT coalesce(max(id), 0) + 1 FROM incidents").fetchone()[0]
+                _insert_findings(db, findings)
+                last = db.execute("SELECT last_insert_rowid()").fetchone()[0]
+                first = first if last == first + len(findings) - 1 else 0
+                exposures = _exposures(findings)
+                if exposures:
+                    _insert_exposures(db, exposures)
             if batch.rejects:
                 db.executemany(_INSERT_REJECT, batch.rejects)
             if batch.gaps:
@@ -549,8 +603,7 @@ class Journal:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
-        if first and self.listener is not None:
-            self.listener.committed(first, batch.incidents, batch.exposures)
+        return Stored(first, findings) if findings else None
 
     def prune(
         self,
@@ -620,8 +673,6 @@ class Journal:
             )
             deleted += len(gone)
             db.execute("COMMIT")
-            if self.listener is not None:
-                self.listener.pruned(cutoff)
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
@@ -644,11 +695,15 @@ class Journal:
         until: float | None = None,
         detector: str | None = None,
         after_id: int | None = None,
+        before_id: int | None = None,
         limit: int | None = None,
-    ) -> list[dict[str, Any]]:
-        """Incidents in time order (``after_id``: in id order, those after it), each with the
-        journal's row ``id`` and its ``sources`` (the exposures, most pages first)."""
-        sql = _SELECT_INCIDENTS_ID if self.schema >= 3 else _SELECT_INCIDENTS_2
+    ) -> list[Finding]:
+        """Findings in time order (``after_id``: in id order, those after it, and before
+        ``before_id``), each with the journal's row ``id`` and its ``sources`` (the exposures,
+        most pages first)."""
+        have = self._finding_columns()  # an older journal (read only) lacks newer fields
+        columns = (name if name in have else _default(name) for name in FINDING_COLUMNS)
+        sql = f"SELECT id, {', '.join(columns)} FROM incidents"
         where: list[str] = []
         args: list[Any] = []
         for clause, value in (
@@ -656,6 +711,7 @@ class Journal:
             ("ts < ?", until),
             ("detector = ?", detector),
             ("id > ?", after_id),
+            ("id < ?", before_id),
         ):
             if value is not None:
                 where.append(clause)
@@ -666,18 +722,31 @@ class Journal:
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         out = []
-        names = ("id", *IncidentRow._fields)
+        decode, at = _decode_json, _FROM_ROW
         for row in self.db.execute(sql, args):
-            item: dict[str, Any] = dict(zip(names, row, strict=True))
-            item["time"] = item.pop("ts")
-            item["pages"] = _decode_json(item["pages"])
-            item["detail"] = _decode_json(item["detail"])
-            item["id"] = item.pop("id")  # after the record's fields, as before ids were shown
-            item["sources"] = []
-            out.append(item)
+            values = [[] if k is None else row[k] for k in at]
+            for k in _JSON_AT:
+                values[k] = decode(values[k])
+            out.append(Finding(*values))
         if out and self.schema >= 3:
             self._attach_sources(out)
         return out
+
+    def _finding_columns(self) -> set[str]:
+        return {row[1] for row in self.db.execute("PRAGMA table_info(incidents)")}
+
+    def newest_finding_id(self) -> int:
+        """The id of the newest finding stored (0: none)."""
+        return int(self.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
+
+    def holds(self, finding_id: int, producer: str, seq: int) -> bool:
+        """Whether the finding ``finding_id`` here is the record (``producer``, ``seq``)."""
+        return bool(
+            self.scalar(
+                "SELECT 1 FROM incidents WHERE id = ? AND producer = ? AND seq = ?",
+                (finding_id, producer, seq),
+            )
+        )
 
     def acks(self) -> list[AckRow]:
         """Every acknowledgement, oldest first (none in a journal older than schema 4)."""
@@ -694,10 +763,10 @@ class Journal:
             sql, args = sql + " WHERE ts >= ?", (since,)
         return [(float(t), int(n)) for t, n in self.db.execute(sql + " ORDER BY ts", args)]
 
-    def _attach_sources(self, incidents: list[dict[str, Any]]) -> None:
-        by_reader = {(i["producer"], i["seq"]): i for i in incidents}
-        low = min(i["time"] for i in incidents)
-        high = max(i["time"] for i in incidents)
+    def _attach_sources(self, findings: list[Finding]) -> None:
+        by_reader = {(f.producer, f.seq): f for f in findings}
+        low = min(f.ts for f in findings)
+        high = max(f.ts for f in findings)
         # An edge has its incident's time: one scan of the time range finds them all.
         for row in self.db.execute(
             _SELECT_EXPOSURES + " WHERE ts >= ? AND ts <= ? ORDER BY pages DESC, id", (low, high)
@@ -705,13 +774,13 @@ class Journal:
             edge = ExposureRow(*row)
             reader = by_reader.get((edge.producer, edge.seq))
             if reader is not None:
-                reader["sources"].append(
-                    {
-                        "request_id": edge.request_id,
-                        "instance": edge.instance,
-                        "pages": edge.pages,
-                        "written_at": edge.written_at,
-                    }
+                reader.sources.append(
+                    Source(
+                        request_id=edge.request_id,
+                        pages=edge.pages,
+                        instance=edge.instance,
+                        written_at=edge.written_at,
+                    )
                 )
 
     def meta(self, key: str) -> str | None:

@@ -1,18 +1,19 @@
 """The incidents log: every finding the journal commits, once, as one JSON line (the findings
-of one incident share its node and request id: ``kvwatch.incidents.group`` joins them).
+of one incident share its node and request id: ``kvwatch.store.incident.group`` joins them).
 
 The file a log shipper (Grafana Alloy, Promtail, Fluent Bit) tails into Loki, and that
-``kvwatch incidents --incidents-log`` reads back for a fleet-wide list. Each line is an
-:class:`IncidentLine`; its fields are a public format, versioned by ``v`` (a new field may be
-added within a version; removing or changing one is a new version). Like the journal it holds
-request ids, page ids and counts, never prompt text, token ids or KV bytes.
+``kvwatch incidents --incidents-log`` reads back for a fleet-wide list. Each line is a
+:class:`~kvwatch.store.incident.Finding` after ``v`` and ``journal``, with ``time`` after
+``ts`` (:data:`LINE_FIELDS`); its fields are a public format, versioned by ``v`` (a new field
+may be added within a version; removing or changing one is a new version). Like the journal it
+holds request ids, page ids and counts, never prompt text, token ids or KV bytes.
 
 Exactly once, across restarts and ``kill -9``: lines are written after the commit that stored
-the incidents (encoded from the rows that commit handed over, or read back from the journal for
-what it did not), in id order, and the journal's ``meta`` keeps the id of the last incident
-written. A crash between the write and that update is repaired at start from the log itself:
-its last complete line names the journal and the incident id it holds, and a torn last line is
-cut off (its incident is written again, whole).
+the findings (encoded from what that commit stored, handed over by the daemon, or read back
+from the journal for what was not), in id order, and the journal's ``meta`` keeps the id of the
+last finding written. A crash between the write and that update is repaired at start from the
+log itself: its last complete line names the journal and the incident id it holds, and a torn
+last line is cut off (its incident is written again, whole).
 
 Rotation by size, as ``logrotate`` and Python's ``RotatingFileHandler`` name files: ``PATH`` is
 written, ``PATH.1`` is the newest rotated file, ``PATH.<keep>`` the oldest kept.
@@ -23,27 +24,18 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, Literal, get_type_hints
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Struct
 
-from kvspool.records import (
-    MAX_DETAIL_ITEMS,
-    MAX_EVENT_PAGES,
-    MAX_EVENT_SOURCES,
-    Count,
-    Int64,
-    Seq,
-    Source,
-    Text,
-    Timestamp,
-)
-from kvwatch.journal import ExposureRow, IncidentRow, Journal
+from kvspool.records import Count, Text, Timestamp
+from kvwatch.store.incident import FINDING_FIELDS, Finding
+from kvwatch.store.journal import Journal, Stored
 
 #: The line format's version (``v``).
 LOG_VERSION: Final = 1
@@ -63,40 +55,25 @@ WRITE_AT: Final = 1024
 MAX_LINE_BYTES: Final = 1 << 20
 
 
-class IncidentLine(Struct, kw_only=True, frozen=True, gc=False):
-    """One incident. Fields mean what the journal's columns mean (``kvwatch incidents``)."""
-
-    v: Literal[1]
-    #: The journal that recorded it (its ``meta`` journal_id) and the incident's id there.
-    journal: Text
-    id: Count
-    #: Unix seconds, and the same instant in ISO 8601 UTC (to the millisecond) for people.
-    ts: Timestamp
-    time: Text
-    node: Text
-    producer: Text
-    seq: Seq
-    role: Text
-    engine: Text
-    engine_version: Text
-    model: Text
-    rank: Int64
-    request_id: Text
-    instance: Text | None
-    detector: Text
-    kind: Text
-    mode: Text
-    action: Text
-    pages: Annotated[list[Int64], Meta(max_length=MAX_EVENT_PAGES)]
-    pages_total: Count
-    #: Whose KV the pages held, most pages first, and the count of the unnamed rest.
-    sources: Annotated[list[Source], Meta(max_length=MAX_EVENT_SOURCES)]
-    other_sources: Count
-    other_source_pages: Count
-    detail: Annotated[dict[Text, Int64 | Text], Meta(max_length=MAX_DETAIL_ITEMS)]
-
-
-_decode: Final = msgspec.json.Decoder(IncidentLine).decode
+#: A line's fields: ``v``, ``journal`` (the journal's ``meta`` journal_id), then the finding's,
+#: with ``time`` (``ts`` in ISO 8601 UTC, to the millisecond, for people) after ``ts``.
+_AFTER_TS: Final = FINDING_FIELDS.index("ts") + 1
+LINE_FIELDS: Final = (
+    "v", "journal", *FINDING_FIELDS[:_AFTER_TS], "time", *FINDING_FIELDS[_AFTER_TS:]
+)  # fmt: skip
+_HINTS: Final = get_type_hints(Finding, include_extras=True)
+#: A line as read back, checked: the finding's constraints (an id is always there).
+_LINE_TYPES: Final = {"v": Literal[1], "journal": Text, "id": Count, "ts": Timestamp, "time": Text}
+IncidentLine: Final = msgspec.defstruct(
+    "IncidentLine",
+    [(name, _LINE_TYPES.get(name) or _HINTS[name]) for name in LINE_FIELDS],
+    kw_only=True,
+    frozen=True,
+    gc=False,
+)
+#: A line as written: positional (cheaper to build), the same fields.
+_Line: Final = msgspec.defstruct("_Line", [(name, Any) for name in LINE_FIELDS], gc=False)
+_decode: Final[Any] = msgspec.json.Decoder(IncidentLine).decode
 
 
 def iso(ts: float) -> str:
@@ -104,108 +81,18 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds")[:-6] + "Z"
 
 
-def _real(column: str) -> str:
-    # 17 significant digits: the float read back is the float stored (ts, written_at).
-    return f"json(printf('%!.17g', {column}))"
-
-
-#: Fields of a line as SQL over ``incidents AS i``: SQLite writes the line (JSON1) from the
-#: columns as stored, pages and detail as the JSON they already are. Every other field of
-#: IncidentLine is the column of its name (one that has neither fails the first query, and the
-#: round-trip tests). The ``journal`` id is the query's parameter.
-_SOURCE_SQL: Final = {
-    "request_id": "e.request_id",
-    "pages": "e.pages",
-    "instance": "e.instance",
-    "written_at": _real("e.written_at"),
-}
-_LINE_SQL: Final = {
-    "v": str(LOG_VERSION),
-    "journal": "?",
-    "ts": _real("i.ts"),
-    "time": "strftime('%Y-%m-%dT%H:%M:%fZ', i.ts, 'unixepoch')",
-    "pages": "json(i.pages)",
-    "detail": "json(i.detail)",
-    "sources": "(SELECT json(coalesce(json_group_array(json_object("
-    + ", ".join(f"'{k}', {v}" for k, v in _SOURCE_SQL.items())
-    + ")), '[]')) FROM (SELECT * FROM exposures WHERE producer = i.producer AND seq = i.seq"
-    " ORDER BY pages DESC, id) AS e)",
-}
-_SELECT_LINES: Final = (
-    "SELECT i.id, json_object("
-    + ", ".join(
-        f"'{name}', {_LINE_SQL.get(name, 'i.' + name)}" for name in IncidentLine.__struct_fields__
-    )
-    + ") FROM incidents AS i WHERE i.id > ? AND i.id < ? ORDER BY i.id LIMIT ?"
-)
-assert set(_SOURCE_SQL) == set(Source.__struct_fields__)
-
-
-class _Line(Struct, gc=False):
-    """IncidentLine as written from the rows a commit just stored (positional: cheaper to
-    build): pages and detail are the JSON the rows already hold."""
-
-    v: int
-    journal: str
-    id: int
-    ts: float
-    time: str
-    node: str
-    producer: str
-    seq: int
-    role: str
-    engine: str
-    engine_version: str
-    model: str
-    rank: int
-    request_id: str
-    instance: str | None
-    detector: str
-    kind: str
-    mode: str
-    action: str
-    pages: msgspec.Raw
-    pages_total: int
-    sources: tuple[dict[str, Any], ...]
-    other_sources: int
-    other_source_pages: int
-    detail: msgspec.Raw
-
-
-assert _Line.__struct_fields__ == IncidentLine.__struct_fields__
 _encode_lines: Final = msgspec.json.Encoder().encode_lines
+_astuple: Final = msgspec.structs.astuple
 #: SQLite's Julian day number of the Unix epoch, in seconds (its date.c counts from there).
 _EPOCH_JD: Final = 210866760000
 #: "SSS" + "Z": the milliseconds of ``time``, formatted once.
 _MILLIS: Final = tuple(f"{m:03d}Z" for m in range(1000))
 
 
-def _sources(exposures: list[ExposureRow]) -> dict[tuple[str, int], tuple[dict[str, Any], ...]]:
-    """Each reader's sources, most pages first, then in stored (id) order, as _SELECT_LINES."""
-    edges: dict[tuple[str, int], list[Any]] = {}
-    for edge in exposures:
-        edges.setdefault((edge.producer, edge.seq), []).append(edge)
-    return {
-        key: tuple(
-            {
-                "request_id": e.request_id,
-                "pages": e.pages,
-                "instance": e.instance,
-                "written_at": e.written_at,
-            }
-            for e in sorted(found, key=lambda e: -e.pages)
-        )
-        for key, found in edges.items()
-    }
-
-
-def to_row(line: IncidentLine) -> dict[str, Any]:
-    """The row :meth:`Journal.incidents` would give for ``line`` (one shape for both)."""
-    row = msgspec.structs.asdict(line)
-    del row["v"], row["journal"]
-    row["time"] = row.pop("ts")
-    row["sources"] = [msgspec.structs.asdict(s) for s in line.sources]
-    return row
+def to_finding(line: Any) -> Finding:
+    """The finding a line holds (its ``id`` is the journal's that wrote it)."""
+    values = _astuple(line)
+    return Finding(*values[2 : 2 + _AFTER_TS], *values[3 + _AFTER_TS :])
 
 
 def rotated(path: Path) -> list[Path]:
@@ -253,7 +140,7 @@ class IncidentsLog:
         # Pruning every incident lets SQLite hand out ids from 1 again: whatever is left was
         # written, so the mark comes down to the newest id there is (the daemon drains right
         # after pruning, before it stores new incidents).
-        newest = int(journal.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
+        newest = journal.newest_finding_id()
         if newest < self.written:
             self.written = newest
             journal.set_meta(HIGH_WATER_KEY, str(newest))
@@ -273,18 +160,20 @@ class IncidentsLog:
             self._marked = self.written
         return total
 
-    # -- the journal's commits (CommitListener) --------------------------------------------
+    # -- the journal's commits ---------------------------------------------------------------
 
-    def committed(
-        self, first: int, incidents: list[IncidentRow], exposures: list[ExposureRow]
-    ) -> None:
-        """Encode the lines of incidents the journal just stored, from the rows in memory, while
-        they are at hand (the reader's poll, the garbage collector off): the drain writes them."""
-        count = len(incidents)
+    def committed(self, stored: Stored) -> None:
+        """Encode the lines of findings a journal commit just stored (the daemon hands them
+        over), while they are at hand (the reader's poll, the garbage collector off): the drain
+        writes them. Never raises (the commit is done)."""
+        first, findings = stored.first, stored.findings
+        if not first or not self._journal_id:  # ids unchecked, or before recover(): the
+            return  # drain reads them from the journal
+        count = len(findings)
         if self._pending_count + count > MAX_PENDING:
             self._pending, self._pending_count = [], 0  # the drain reads them from the journal
         try:
-            oldest, lines = self._lines(first, incidents, exposures)
+            oldest, lines = self._lines(findings, range(first, first + count))
         except Exception:  # never seen; the commit is done: the drain reads the journal instead
             self._pending, self._pending_count = [], 0
             return
@@ -306,62 +195,45 @@ class IncidentsLog:
             self.written = -1
 
     def pruned(self, cutoff: float) -> None:
-        """A pruned incident's line must not be written from memory (its id may come again)."""
+        """The journal pruned findings older than ``cutoff``: a pruned finding's line must not
+        be written from memory (its id may come again)."""
         if any(oldest < cutoff for _, _, oldest, _ in self._pending):
             self._pending, self._pending_count = [], 0
 
     def _drain_table(self, journal: Journal, journal_id: str, below: int) -> int:
-        """Write incidents with ids under ``below`` from the journal's table."""
+        """Write findings with ids under ``below`` from the journal's table."""
         total = 0
         for _ in range(DRAIN_ROUNDS):
-            rows = journal.db.execute(
-                _SELECT_LINES, (journal_id, self.written, below, DRAIN_BATCH)
-            ).fetchall()
-            if not rows:
+            findings = journal.incidents(after_id=self.written, before_id=below, limit=DRAIN_BATCH)
+            if not findings:
                 break
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._write([(incident, line.encode() + b"\n") for incident, line in rows])
+            ids = [f.id or 0 for f in findings]
+            _, blob = self._lines(findings, ids, journal_id)
+            # msgspec escapes a newline inside a string: each line ends at one.
+            lines = blob.split(b"\n")[:-1]
+            self._write([(i, line + b"\n") for i, line in zip(ids, lines, strict=True)])
             journal.set_meta(HIGH_WATER_KEY, str(self.written))
             self._marked = self.written
-            total += len(rows)
-            if len(rows) < DRAIN_BATCH:
+            total += len(findings)
+            if len(findings) < DRAIN_BATCH:
                 break
         return total
 
     def _lines(
-        self, first: int, incidents: list[IncidentRow], exposures: list[ExposureRow]
+        self, findings: list[Finding], ids: Iterable[int], journal_id: str | None = None
     ) -> tuple[float, bytes]:
-        """The lines of incidents stored with ids ``first`` and up, with the values that
-        _SELECT_LINES gives; and the oldest one's ts."""
-        journal_id, oldest = self._journal_id, float("inf")
-        sources = _sources(exposures) if exposures else {}
-        raw, line, millis = msgspec.Raw, _Line, _MILLIS
+        """The lines of ``findings``, stored with ``ids``; and the oldest one's ts."""
+        if journal_id is None:
+            journal_id = self._journal_id
+        oldest = float("inf")
+        line, millis, astuple = _Line, _MILLIS, _astuple
         second, prefix = self._second, self._prefix
         out = []
-        incident = first
-        for row in incidents:
-            (
-                ts,
-                node,
-                role,
-                engine,
-                version,
-                model,
-                rank,
-                producer,
-                seq,
-                request_id,
-                instance,
-                detector,
-                kind,
-                mode,
-                action,
-                pages,
-                pages_total,
-                detail,
-                others,
-                other_pages,
-            ) = row
+        after = _AFTER_TS
+        for finding, incident in zip(findings, ids, strict=True):
+            values = astuple(finding)
+            ts = finding.ts
             # time as SQLite's strftime('%Y-%m-%dT%H:%M:%fZ', ts, 'unixepoch') writes it: its
             # rounding to the millisecond, iJD = (int64)(ts * 1000.0 + 210866760000000.0 + 0.5)
             # in doubles; the text up to the second computed once per second.
@@ -374,13 +246,10 @@ class IncidentsLog:
                 prefix = when.strftime("%Y-%m-%dT%H:%M:%S.")
             out.append(
                 line(
-                    LOG_VERSION, journal_id, incident, ts, prefix + millis[jd % 1000], node,
-                    producer, seq, role, engine, version, model, rank, request_id, instance,
-                    detector, kind, mode, action, raw(pages), pages_total,
-                    sources.get((producer, seq), ()), others, other_pages, raw(detail),
+                    LOG_VERSION, journal_id, incident, *values[1:after],
+                    prefix + millis[jd % 1000], *values[after:],
                 )
             )  # fmt: skip
-            incident += 1
         self._second, self._prefix = second, prefix
         return oldest, _encode_lines(out)
 
@@ -459,19 +328,14 @@ class IncidentsLog:
                 line = _decode(last)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 break  # not ours to judge: the mark stands
-            same = journal.scalar(
-                "SELECT 1 FROM incidents WHERE id = ? AND producer = ? AND seq = ?",
-                (line.id, line.producer, line.seq),
-            )
-            if line.journal == journal_id and same:
+            if line.journal == journal_id and journal.holds(line.id, line.producer, line.seq):
                 written = max(written, line.id)
             break
-        newest = int(journal.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
+        newest = journal.newest_finding_id()
         self.written = min(written, newest)
         journal.set_meta(HIGH_WATER_KEY, str(self.written))
         self._marked = self.written
-        self._journal_id = journal_id
-        journal.listener = self  # from now on its commits hand their incidents over
+        self._journal_id = journal_id  # from now on committed() encodes what it is handed
 
 
 def _last_line(path: Path) -> bytes | None:
@@ -507,7 +371,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 @dataclass
 class ReadResult:
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[Finding] = field(default_factory=list)
     #: What was skipped, each a line ending in "skipped": "PATH:LINE: why" for the first
     #: :data:`SHOWN_BAD_LINES` bad lines of a file, then one count for its others; or one
     #: line for a file that holds no incident line at all (a journal given as a log).
@@ -549,7 +413,7 @@ def read(path: Path, result: ReadResult | None = None) -> ReadResult:
             try:
                 if len(line) > MAX_LINE_BYTES:
                     raise msgspec.ValidationError(f"longer than {MAX_LINE_BYTES} bytes")
-                result.rows.append(to_row(_decode(line)))
+                result.rows.append(to_finding(_decode(line)))
                 good += 1
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 bad += 1

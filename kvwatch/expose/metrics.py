@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvspool import catalogue
 from kvwatch import __version__
-from kvwatch.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS, FirstN, LabelKey, State
+from kvwatch.store.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS, FirstN, LabelKey, State
 
 _ROLE, _ENGINE = catalogue.ROLE.bound, catalogue.ENGINE.bound
 _ENGINE_LABELS: Final = catalogue.ENGINE_LABELS
@@ -102,7 +102,7 @@ class KvwatchCollector(Collector):
         yield build
         yield from self._engine_families()
         totals = state.hook_counter_totals()
-        for series in catalogue.COUNTERS:
+        for series in catalogue.COUNTER_SERIES:
             metric = CounterMetricFamily(
                 series.family, series.help, labels=list(series.label_names)
             )
@@ -168,7 +168,7 @@ class KvwatchCollector(Collector):
 
     def _engine_families(self) -> Iterator[Metric]:
         latest, info = engine_views(self.state)
-        for series in catalogue.GAUGES:
+        for series in catalogue.GAUGE_SERIES:
             metric = GaugeMetricFamily(series.family, series.help, labels=list(_ENGINE_LABELS))
             for labels, gauges in sorted(latest.items()):
                 if series.name in gauges:

@@ -14,6 +14,10 @@ A record that passes the gate but cannot be stored (a daemon bug, or a limit the
 costs that record alone: the poll is redone one record per transaction, and the one that fails
 is dead-lettered (a ``rejects`` row with its producer, sequence number, offset and reason
 ``internal``), the read position moves past it, and every other record commits.
+
+Longer than 450 lines: one class, because the poll's directory listing, segment reads, record
+checks and poison isolation share its state (the batch, the budget, the flagged files) under the
+state's lock; the hot loop (``_consume``) is one function on purpose (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -30,13 +34,12 @@ import sqlite3
 import stat
 import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
 import structlog
 
 from kvspool import SchemaError, catalogue, decode_payload, iter_frames
@@ -48,15 +51,22 @@ from kvspool.records import (
     Event,
     Gauges,
     Hello,
+    NextSegment,
     Record,
-    Seal,
     stopped_before_read,
 )
 from kvspool.writer import PRIVATE_SUFFIX
-from kvwatch.incidents import NOT_READS, Joiner
-from kvwatch.journal import Batch, ExposureRow, IncidentRow, Journal, RejectRow
-from kvwatch.spoolowner import Ignored, OwnerRule, user_name
-from kvwatch.state import Producer, Segment, State
+from kvwatch.ingest.spool.owner import Ignored, OwnerRule, user_name
+from kvwatch.store.incident import (
+    FINDING_FIELDS,
+    NOT_READS,
+    Finding,
+    Joiner,
+    sorted_detail,
+    sorted_sources,
+)
+from kvwatch.store.journal import Batch, Journal, RejectRow, Stored
+from kvwatch.store.state import Producer, Segment, State
 
 SEGMENT_NAME: Final = re.compile(
     r"^([A-Za-z0-9_-]{1,200})\.([0-9]{1,12})" + re.escape(SEGMENT_SUFFIX) + "$"
@@ -83,15 +93,16 @@ _PRIVATE_NAME: Final = re.compile(
     r"^\.[A-Za-z0-9_-]{1,200}\.[0-9]{1,12}" + re.escape(SEGMENT_SUFFIX + PRIVATE_SUFFIX) + "$"
 )
 _DETECTOR, _ROLE, _KIND = catalogue.DETECTOR.bound, catalogue.ROLE.bound, catalogue.KIND.bound
-_encode_json: Final = msgspec.json.Encoder(order="sorted").encode
 #: Incidents the reader remembers to count each once (``kvwatch_affected_requests_total``):
 #: more than join in any minute but a storm; a later finding of one forgotten counts it again.
-#: A thousand cost ~0.7 MB (test_cardinality holds the daemon's memory flat under fresh ids).
+#: Its memory: docs/performance.md (test_cardinality holds the daemon's memory flat, fresh ids).
 _JOINED_MAX: Final = 1024
 #: Exposed requests the reader remembers to count each once (``kvwatch_exposed_requests_total``).
 _EXPOSED_SEEN_MAX: Final = 16384
 #: An incident row's (detector, role, kind): the labels of ``kvwatch_incidents_total``.
-_INCIDENT_LABELS: Final = itemgetter(*map(IncidentRow._fields.index, ("detector", "role", "kind")))
+_INCIDENT_LABELS: Final = attrgetter("detector", "role", "kind")
+#: A finding's fields after its producer's labels: the event record's of the same names.
+_EVENT_PART: Final = attrgetter(*FINDING_FIELDS[FINDING_FIELDS.index("rank") + 1 :])
 
 
 class _PoisonError(Exception):
@@ -140,7 +151,7 @@ class SpoolReader:
         idle_grace: float = 5.0,
         # Small reads and transactions keep the memory a backlog takes small: what a catch-up
         # allocates, the allocators keep (1 MiB reads or 16,384-record transactions let the
-        # daemon's resident memory ratchet up by megabytes: +11.5% in test_cardinality's burst).
+        # daemon's resident memory ratchet up by megabytes: docs/performance.md).
         # On a slow or loaded machine, batch_seconds bounds how long read records wait to
         # become durable.
         batch_records: int = 4096,
@@ -150,6 +161,7 @@ class SpoolReader:
         quarantine_dir: str | os.PathLike[str] | None = None,
         quarantine_max: int = 32,
         node: str | None = None,
+        on_stored: Callable[[Stored], None] | None = None,
     ) -> None:
         self.directory = Path(directory)
         #: The node every incident row names: the daemon's ``node`` setting, else the host
@@ -157,6 +169,8 @@ class SpoolReader:
         #: hello, which names its own host).
         self.node = node or socket.gethostname()
         self.journal = journal
+        #: Handed each commit's stored findings (the daemon wires the incidents log here).
+        self.on_stored = on_stored
         self.state = state
         self.allowed_uids = frozenset(allowed_uids if allowed_uids else {os.geteuid()})
         self.owner_rule = OwnerRule(self.directory, self.allowed_uids)
@@ -309,29 +323,12 @@ class SpoolReader:
             if not segment.removed:
                 self._to_remove.append(segment)
             return True
-        path = self.directory / name
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                self._reject_file(name, "not_regular", "a symbolic link")
-                return True
-            self._warn_once("open:" + name, "spool.open_failed", segment=name, error=str(exc))
-            if exc.errno in (errno.EACCES, errno.EPERM):
-                self._ignore(name, "unreadable", None)
-                return True  # not a live producer: nothing of it is verified
-            return False
+        fd = self._open(name)
+        if isinstance(fd, bool):
+            return fd
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                self._reject_file(name, "not_regular", "not a regular file")
-                return True
-            if not self.owner_rule(info.st_uid):
-                who = f"owned by {user_name(info.st_uid)} (uid {info.st_uid}), who may not write"
-                self._reject_file(name, "owner", f"{who} the spool")
-                self._ignore(name, "owner", fd)
+            if not self._trusted(name, fd, info):
                 return True
             if state.ignored.pop(name, None) is not None:
                 self._flagged.discard(name)  # its owner is trusted now (joined the group)
@@ -365,6 +362,36 @@ class SpoolReader:
         finally:
             os.close(fd)
 
+    def _open(self, name: str) -> int | bool:
+        """The segment's descriptor; else whether it is done with (True: gone, a link, or
+        unreadable, and counted; False: try again next poll)."""
+        try:
+            return os.open(self.directory / name, _OPEN_FLAGS)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                self._reject_file(name, "not_regular", "a symbolic link")
+                return True
+            self._warn_once("open:" + name, "spool.open_failed", segment=name, error=str(exc))
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                self._ignore(name, "unreadable", None)
+                return True  # not a live producer: nothing of it is verified
+            return False
+
+    def _trusted(self, name: str, fd: int, info: os.stat_result) -> bool:
+        """Whether the open segment is a regular file its owner may write; if not, it is
+        rejected (once) and ignored."""
+        if not stat.S_ISREG(info.st_mode):
+            self._reject_file(name, "not_regular", "not a regular file")
+            return False
+        if not self.owner_rule(info.st_uid):
+            who = f"owned by {user_name(info.st_uid)} (uid {info.st_uid}), who may not write"
+            self._reject_file(name, "owner", f"{who} the spool")
+            self._ignore(name, "owner", fd)
+            return False
+        return True
+
     def _read_until(self, fd: int, segment: Segment, size: int, *, final: bool) -> bool:
         """Read ``segment`` up to ``size``; False when stopped at the budget."""
         want = self.chunk_bytes
@@ -389,8 +416,13 @@ class SpoolReader:
             want = self.chunk_bytes
         return segment.offset >= size or self._budget > 0
 
-    def _consume(self, segment: Segment, data: bytes, *, final: bool = False) -> int:
-        """Decode the frames of ``data`` (read at ``segment.offset``); returns bytes consumed."""
+    def _consume(  # noqa: C901, PLR0915 (the per-record loop: its checks inline, locals hoisted)
+        self, segment: Segment, data: bytes, *, final: bool = False
+    ) -> int:
+        """Decode the frames of ``data`` (read at ``segment.offset``); returns bytes consumed.
+
+        One function on purpose: it runs once per record, and a call per check (or locals
+        read from ``self``) costs the catch-up measurably (docs/performance.md)."""
         state = self.state
         batch = self._batch
         base = segment.offset
@@ -497,7 +529,7 @@ class SpoolReader:
             producer.gauges = {SERIES_OF[type(g)].name: g.value for g in record.gauges}
         elif type(record) is Hello:
             self._hello(producer, record)
-        elif type(record) is Seal:
+        elif type(record) is NextSegment:
             segment.sealed = True
 
     def _store_alone(
@@ -587,7 +619,7 @@ class SpoolReader:
     def _incidents(self, producer: Producer) -> None:
         """Build the incident rows of the events read (``_events``, all ``producer``'s), and
         count them by (detector, role, kind). One call per read rather than per event, with
-        the producer's labels looked up once: the reader's per-event cost halves."""
+        the producer's labels looked up once (docs/performance.md)."""
         node, role, engine = self.node, producer.role, producer.engine
         version, model, rank, name = (
             producer.engine_version,
@@ -595,27 +627,26 @@ class SpoolReader:
             producer.rank,
             producer.name,
         )
-        encode = _encode_json
-        # Plain tuples in IncidentRow's field order: the named tuple's constructor costs more
-        # than the rest (tests/kvwatch/test_journal.py checks the order).
-        rows: list[IncidentRow] = [
-            (
-                ts, node, role, engine, version, model, rank, name, e.seq, e.request_id,
-                e.instance, e.detector, e.kind, e.mode, e.action, encode(e.pages).decode(),
-                e.pages_total, encode(e.detail).decode() if e.detail else "{}",
-                e.other_sources, e.other_source_pages,
-            )  # type: ignore[misc]
-            for e, ts in self._events
-        ]  # fmt: skip
+        rows = []
+        event_part = _EVENT_PART
+        for e, ts in self._events:
+            row = Finding(
+                None, ts, node, name, e.seq, role, engine, version, model, rank, *event_part(e)
+            )
+            if len(row.sources) > 1:
+                row.sources = sorted_sources(row.sources)
+            if len(row.detail) > 1:
+                row.detail = sorted_detail(row.detail)
+            rows.append(row)
         join, affected = self._joiner.join, (_ROLE(role),)
         for e, ts in self._events:
             key, new = join(node, e.request_id, e.instance or "", (role, e.detector, e.kind), ts)
             if new:
                 self._count("affected_requests", affected, 1)
             if e.sources or e.other_sources:
-                self._exposures(producer, e, ts, key)
+                self._exposures(producer, e, key)
         self._events.clear()
-        self._batch.incidents += rows
+        self._batch.findings += rows
         self._incidents_seen.update(map(_INCIDENT_LABELS, rows))
 
     def _count_incidents(self) -> int:
@@ -640,25 +671,11 @@ class SpoolReader:
         counted."""
         return Joiner(limit=_JOINED_MAX), {}, {}
 
-    def _exposures(self, producer: Producer, record: Event, ts: float, incident: int) -> None:
-        """The reader -> source edges of an event, and the exposed requests it counts as
-        :func:`kvwatch.incidents.counts` does: each named source once, and an incident's
-        sources counted only in ``other_sources`` (the most any of its findings says)."""
-        name, seq = producer.name, record.seq
-        named: list[tuple[str, str]] = []
-        for source in record.sources:
-            named.append((source.request_id, source.instance or ""))
-            self._batch.exposures.append(
-                ExposureRow(
-                    name,
-                    seq,
-                    ts,
-                    source.request_id,
-                    source.instance,
-                    source.pages,
-                    source.written_at,
-                )
-            )
+    def _exposures(self, producer: Producer, record: Event, incident: int) -> None:
+        """The exposed requests an event counts, as :func:`kvwatch.store.incident.counts` does:
+        each named source once, and an incident's sources counted only in ``other_sources``
+        (the most any of its findings says). Its sources are stored with its finding."""
+        named = [(source.request_id, source.instance or "") for source in record.sources]
         if record.kind in NOT_READS:  # an older producer's late write: nobody read it
             return
         if stopped_before_read(record.detail):  # enforce failed it before it read
@@ -837,10 +854,12 @@ class SpoolReader:
         batch = self._batch
         if not batch:
             return
-        self.journal.commit(batch, self.state)
-        incidents = len(batch.incidents)
+        stored = self.journal.commit(batch, self.state)
+        incidents = len(batch.findings)
         self._batch = Batch()
         self._batch_started = time.monotonic()
+        if stored is not None and self.on_stored is not None:
+            self.on_stored(stored)
         if incidents:
             self.log.warning("spool.incidents_recorded", count=incidents)
 

@@ -199,7 +199,7 @@ def _positive_seconds(text: str) -> float:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``dashboards push`` to the ``kvwatch`` command's subparsers; returns ``dashboards``."""
-    from kvwatch.clihelp import Formatter
+    from kvwatch.commands.clihelp import Formatter
 
     dashboards: argparse.ArgumentParser = subparsers.add_parser(
         "dashboards",

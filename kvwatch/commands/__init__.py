@@ -1,0 +1,1 @@
+"""The command line's commands; each module exposes ``add_parser()`` and ``run()``."""

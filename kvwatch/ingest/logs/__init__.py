@@ -1,0 +1,1 @@
+"""The engines' own logs: what a log line says (``parse``) and the files tailed (``watch``)."""

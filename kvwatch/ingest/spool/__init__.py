@@ -1,0 +1,2 @@
+"""The spool: every producer's segments tailed into the journal (``reader``), who may write them
+(``owner``)."""
