@@ -68,7 +68,7 @@ def timed(bed: Bed, mode: str, tokens: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--transport", default="mooncake_tcp")
