@@ -607,13 +607,20 @@ class KVWatch:
 
     @_hook("verify", list)
     def verify_admit(
-        self, ticket: Ticket | None, seal: Seal | None, *, before_read: bool = False
+        self,
+        ticket: Ticket | None,
+        seal: Seal | None,
+        *,
+        before_read: bool = False,
+        context: Mapping[str, int | str] | None = None,
     ) -> list[Verdict]:
         """Before decode admits a request and reads its KV: every detector, in one go.
 
         ``before_read``: the engine calls this before anything reads the pages and fails the
-        request when a verdict ``blocks`` (see :func:`_stopped`). Returns the mismatches (an
-        empty list when the request is clean)."""
+        request when a verdict ``blocks`` (see :func:`_stopped`). ``context``: what the adapter
+        knows of the transfer (its peer: ``peer_request_id``, ``peer_instance``, ``peer_node``,
+        ``peer_engine_id``, ``transport``), added to every mismatch's ``detail``. Returns the
+        mismatches (an empty list when the request is clean)."""
         if ticket is None or self.canary is None or self.tags is None or self.checksum is None:
             for name in (Canary.name, TransferChecksum.name, PageTags.name):
                 self.stats.skipped(name, _NO_POOL)
@@ -644,10 +651,44 @@ class KVWatch:
                     )
                     residue = seal.residue if short else ()
                     verdicts.append(replace(verdict, instance=instance))
+        if context:
+            verdicts = [replace(v, detail={**context, **v.detail}) for v in verdicts]
         return [
             self._report(v, residue if v.detector == TransferChecksum.name else ())
             for v in _stopped(verdicts, before_read)
         ]
+
+    @_hook("free", lambda: None)
+    def freed_before_read(
+        self,
+        request_id: str,
+        instance: str,
+        pages: PageIds,
+        detail: Mapping[str, int | str] | None = None,
+    ) -> Verdict | None:
+        """The writer's side of a lease that expired: ``request_id`` (``instance``) sent
+        ``pages`` to a remote reader, and they were freed before that read was confirmed. The
+        finding (``page_tag`` ``freed_before_read``, logged in every mode: the writer's request
+        is gone, the reader's check is what fails it) names as sources the requests that took
+        the pages since, from the holder slots, with page counts and when they wrote; none
+        when nobody took them (the reader reads what was sent)."""
+        if self.state is None or self.tags is None or not self.tags.active() or not len(pages):
+            return None
+        mode = Mode.LOG if self.tags.mode is Mode.ENFORCE else self.tags.mode
+        verdict = Verdict(
+            PageTags.name,
+            request_id,
+            False,
+            PageTags.FREED_BEFORE_READ,
+            tuple(int(p) for p in pages),
+            mode,
+            dict(detail or {}),
+            instance,
+        )
+        exposed = self._expose(verdict)
+        if not exposed.sources and not exposed.other_sources:
+            return None  # nobody took them (yet): nothing foreign for the reader to read
+        return self._report(verdict)
 
     @_hook("step", list)
     def check_step(self, ticket: Ticket, *, before_read: bool = False) -> list[Verdict]:

@@ -81,6 +81,9 @@ KIND: Final = _label(
         "stale_tag": "a page's generation changed while a request still referenced it",
         "double_free": "a page returned to the free list while already free",
         "aborted_admitted": "an aborted request passed an admission queue",
+        "freed_before_read": "a sent request's pages were freed (and may be taken by other"
+        " requests) before its remote reader's read was confirmed: the writer's side of a"
+        " lease that expired",
     },
 )
 SKIP_REASON: Final = _label(

@@ -18,6 +18,7 @@ nothing would return.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -33,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch, Scrub
 from engine_hooks.guard import never_raise
 from engine_hooks.vllm.layout import kv_pool
+from engine_hooks.vllm.lease import DEFAULT_FREED_WATCH_S
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
 from engine_hooks.vllm.worker import WorkerSide
@@ -86,6 +88,10 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         self.mode: Any = extra.get("mode", "log")
         self.scrub = _scrub(extra.get("scrub", Scrub.OFF))
         self.resolve_interval = float(extra.get("resolve_interval_s", 1.0))
+        # Who this engine is to its peers (their findings name it), and the transport's name.
+        self.node = str(extra.get("node") or socket.gethostname())[:128]
+        self.transport = str(extra.get("transport") or "")
+        self.freed_watch_s = float(extra.get("freed_watch_s", DEFAULT_FREED_WATCH_S))
         self.rank = _tp_rank(vllm_config)
         groups = kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec if groups else None
@@ -120,7 +126,10 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
             self.watch = self._new_watch(None)
             parallel = getattr(self._vllm_config, "parallel_config", None)
             tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-            self.scheduler = SchedulerSide(self.num_blocks, self.block_size, tp_size)
+            identity = {"node": self.node, "engine_id": str(self._kv_transfer_config.engine_id)}
+            self.scheduler = SchedulerSide(
+                self.num_blocks, self.block_size, tp_size, identity, self.transport
+            )
             max_len = getattr(model_config, "max_model_len", None)
             if max_len and self.block_size:
                 # Block 0 is the null block: the pool holds num_blocks - 1 usable blocks.
@@ -149,6 +158,8 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
                 self.watch.stats.skipped(detector, "unsupported_layout")
             return
         self.worker = WorkerSide(self.watch, pool, self.rank, self.resolve_interval)
+        if self.engine_role != "decode":
+            self.worker.watch_lease_expiry(self.freed_watch_s)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The one worker hook that vLLM's model runners call before the forward in every step
@@ -186,6 +197,8 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_guard("startup", _none)
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         if self.watch is not None:
             self.watch.close()
 
