@@ -3,6 +3,7 @@ journals and incidents logs, through the real command line."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -356,3 +357,50 @@ def test_a_request_stopped_before_it_read_is_an_incident_but_no_reader(
         (r["request_id"], [s["request_id"] for s in r["sources"]]) for r in view["readers"]
     ] == [("t", ["bob"])]
     assert view["counts"]["incidents"] == 2 and view["counts"]["exposed"] == 1
+
+
+def _lease_case() -> list[dict[str, Any]]:
+    """A lease that expired: prefill (node p) freed request x-p's blocks, t1 and t2 took some
+    (t2 after decode's read), decode (node d) read them as request x-d and found a digest
+    mismatch naming its peer."""
+    peer = {"peer_node": "p", "peer_request_id": "x-p", "peer_instance": "p#1",
+            "peer_engine_id": "e-p", "transport": "nixl"}  # fmt: skip
+    return [
+        _finding(id=1, time=T0 + 10, node="d", request_id="x-d", instance="d#1",
+                 detector="checksum", kind="digest", detail=peer),
+        _finding(id=1, time=T0 + 20, node="p", role="prefill", request_id="x-p",
+                 instance="p#1", detector="page_tag", kind="freed_before_read",
+                 sources=[{**_src("t1", 2, "t1#1"), "written_at": T0 + 5},
+                          {**_src("t2", 1, "t2#1"), "written_at": T0 + 12}]),
+        # Another prefill node's request of the same id and instance is another request.
+        _finding(id=2, time=T0 + 20, node="q", role="prefill", request_id="x-p",
+                 instance="p#1", detector="page_tag", kind="freed_before_read",
+                 sources=[{**_src("u1", 3, "u1#1"), "written_at": T0 + 5}]),
+    ]  # fmt: skip
+
+
+def test_a_reader_joins_the_writers_side_of_the_same_request_instance() -> None:
+    """Decode's finding names its peer (prefill's node, request id and instance): the fleet
+    view makes them one incident, and names as the reader's sources, on prefill's node, the
+    requests that took the sent blocks before the read (t1), not after (t2)."""
+    grouped = incidents.group(incidents.merge([_lease_case()]))
+    assert [(i["node"], i["request_id"]) for i in grouped] == [("d", "x-d"), ("q", "x-p")]
+    reader = grouped[0]
+    assert reader["roles"] == ["decode", "prefill"] and len(reader["findings"]) == 2
+    assert reader["peer"] == {"node": "p", "request_id": "x-p", "instance": "p#1"}
+    assert [(s["node"], s["request_id"], s["pages"]) for s in reader["sources"]] == [("p", "t1", 2)]
+    assert incidents.counts(grouped) == {"affected": 2, "exposed": 2}
+    view = incidents.exposure(grouped, since=None, until=None)
+    (first, _other) = view["readers"]
+    assert first["request_id"] == "x-d" and first["node"] == "d"
+    assert first["sources"] == [{"request_id": "t1", "instance": "t1#1", "pages": 2, "node": "p"}]
+    assert {(s["node"], s["request_id"]) for s in view["sources"]} == {("p", "t1"), ("q", "u1")}
+    out = io.StringIO()
+    incidents.render_exposure(view, out, as_json=False)
+    assert "t1@p (2)" in out.getvalue()
+
+
+def test_a_writers_side_finding_without_its_reader_stays_an_incident() -> None:
+    rows = _lease_case()[1:2]
+    (alone,) = incidents.group(rows)
+    assert alone["node"] == "p" and [s["request_id"] for s in alone["sources"]] == ["t1", "t2"]
