@@ -70,8 +70,6 @@ class WorkerSide:
     def bind(self, meta: KVWatchMetadata) -> None:
         """Before the forward and every load: block events, reservations, finished loads."""
         self._resolve()
-        self._record(self.lease.step())  # before meta.sent: an expiry is in both
-        self.lease.done(meta.sent)
         for event in meta.events:
             if event.kind == "alloc":
                 self._record(self.watch.on_alloc(event.block_ids))
@@ -101,6 +99,10 @@ class WorkerSide:
             self.tickets.pop(rid, None)
             self.instances.pop(rid, None)
         self.to_seal.extend((job.request_id, job.block_ids) for job in meta.seal)
+        # After this step's writes (the holders it names include them); before meta.sent: an
+        # expiry is in both.
+        self._record(self.lease.step())
+        self.lease.done(meta.sent)
 
     def verify(self, job: VerifyJob) -> list[Verdict]:
         pending = self.tickets.pop(job.request_id, None)
