@@ -96,8 +96,13 @@ def _peer_of(params: dict[str, Any], wire: Any, transport: str) -> dict[str, str
             value = peer.get(key)
             if isinstance(value, str) and value:
                 out[f"peer_{key}"] = value[:128]
-    if "peer_engine_id" not in out and isinstance(params.get("remote_engine_id"), str):
-        out["peer_engine_id"] = params["remote_engine_id"][:128]
+    # A prefill without kvwatch (no seal): NIXL's own params still say who sent it.
+    for key, nixl in (
+        ("peer_engine_id", "remote_engine_id"),
+        ("peer_request_id", "remote_request_id"),
+    ):
+        if key not in out and isinstance(params.get(nixl), str):
+            out[key] = params[nixl][:128]
     if not transport:
         transport = "nixl" if "remote_block_ids" in params else "other"
     out["transport"] = transport[:64]

@@ -404,3 +404,38 @@ def test_a_writers_side_finding_without_its_reader_stays_an_incident() -> None:
     rows = _lease_case()[1:2]
     (alone,) = incidents.group(rows)
     assert alone["node"] == "p" and [s["request_id"] for s in alone["sources"]] == ["t1", "t2"]
+
+
+def test_cli_exposed_joins_a_decode_journal_and_a_prefill_incidents_log(tmp_path: Path) -> None:
+    """The lease case as the disclosure team gets it: decode's journal and prefill's incidents
+    log, through the spool reader, the journal, the log and the command line."""
+    peer = {"peer_node": "pre", "peer_request_id": "x-p", "peer_instance": "p#1"}
+    dec = _node(
+        tmp_path, "dec", [("x-d", {"detector": "checksum", "kind": "digest", "detail": peer})]
+    )
+    spool = tmp_path / "spool-pre"
+    spool.mkdir()
+    journal = Journal(tmp_path / "pre.db")
+    p = Producer(spool, "vllm-prefill-r0-2-bbbb0001", node="pre", role="prefill")
+    taker = [{"request_id": "t1", "pages": 3, "instance": "t1#1", "written_at": T0 - 5}]
+    late = [{"request_id": "t9", "pages": 1, "instance": "t9#1", "written_at": T0 + 500}]
+    p.append(
+        p.hello(),
+        p.event("x-p", "page_tag", "freed_before_read", instance="p#1", sources=taker + late),
+    )
+    SpoolReader(spool, journal, journal.load(), idle_grace=3600.0, node="pre").poll()
+    log = tmp_path / "pre.jsonl"
+    IncidentsLog(log, max_bytes=1 << 20, keep=3).drain(journal)
+    journal.close()
+    out = run_cli(
+        "incidents", "--exposed", "--json", "--journal", str(dec), "--incidents-log", str(log)
+    )
+    assert out.returncode == 0, out.stderr
+    view = json.loads(out.stdout)
+    (reader,) = view["readers"]
+    assert (reader["node"], reader["request_id"]) == ("dec", "x-d")
+    assert reader["peer"] == {"node": "pre", "request_id": "x-p", "instance": "p#1"}
+    assert reader["sources"] == [
+        {"request_id": "t1", "instance": "t1#1", "pages": 3, "node": "pre"}
+    ]
+    assert view["counts"]["incidents"] == 1 and view["counts"]["exposed"] == 1
