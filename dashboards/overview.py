@@ -147,6 +147,25 @@ def build() -> dash.Dashboard:
             bars=True,
         )
     )
+    board = board.with_panel(
+        timeseries_panel(
+            ids,
+            "Transfer mismatches by sending node",
+            "Findings on transferred KV per interval, by the node that sent it (peer), summed "
+            "over the readers. One peer standing out is a bad link or NIC on it: drain it "
+            "(KVTransferPeerMismatches). At most 32 peers per daemon, the rest as other.",
+            [
+                query(
+                    "sum by (peer) "
+                    f"(increase({exposed('transfer_mismatches')}{{{JOB}, {NODES}}}"
+                    "[$__rate_interval]))",
+                    "{{peer}}",
+                )
+            ],
+            width=24,
+            bars=True,
+        )
+    )
 
     board = board.with_row(row(ids, "Fleet: which nodes"))
     board = board.with_panel(

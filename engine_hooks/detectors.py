@@ -238,6 +238,8 @@ class PageTags(Detector):
     name = DETECTOR.check("page_tag")
     STALE_TAG = KIND.check("stale_tag")
     DOUBLE_FREE = KIND.check("double_free")
+    #: The writer's side: pages it sent were freed before the remote read was confirmed.
+    FREED_BEFORE_READ = KIND.check("freed_before_read")
 
     def __init__(self, state: PageState, stats: Stats, mode: Mode) -> None:
         super().__init__(stats, mode)
@@ -353,6 +355,8 @@ EXPOSING_KINDS = frozenset(
         PageTags.STALE_TAG,
         TransferChecksum.DIGEST,
         TransferChecksum.PAGE_COUNT,
+        # The sent request's remote reader may read what the requests that took them wrote.
+        PageTags.FREED_BEFORE_READ,
     }
 )
 

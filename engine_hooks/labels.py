@@ -58,6 +58,7 @@ class Kind(StrEnum):
     STALE_TAG = "stale_tag"
     DOUBLE_FREE = "double_free"
     ABORTED_ADMITTED = "aborted_admitted"
+    FREED_BEFORE_READ = "freed_before_read"
     OTHER = OTHER
 
 

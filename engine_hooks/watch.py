@@ -303,13 +303,20 @@ class KVWatch:
 
     @_hook(Hook.VERIFY, list)
     def verify_admit(
-        self, ticket: Ticket | None, seal: Seal | None, *, before_read: bool = False
+        self,
+        ticket: Ticket | None,
+        seal: Seal | None,
+        *,
+        before_read: bool = False,
+        context: Mapping[str, int | str] | None = None,
     ) -> list[Verdict]:
         """Before decode admits a request and reads its KV: every detector, in one go.
 
         ``before_read``: the engine calls this before anything reads the pages and fails the
-        request when a verdict ``blocks`` (see :func:`_stopped`). Returns the mismatches (an
-        empty list when the request is clean)."""
+        request when a verdict ``blocks`` (see :func:`_stopped`). ``context``: what the adapter
+        knows of the transfer (its peer: ``peer_request_id``, ``peer_instance``, ``peer_node``,
+        ``peer_engine_id``, ``transport``), added to every mismatch's ``detail``. Returns the
+        mismatches (an empty list when the request is clean)."""
         if ticket is None or self._canary is None or self._tags is None or self._checksum is None:
             for name in (Canary.name, TransferChecksum.name, PageTags.name):
                 self._stats.skipped(name, Skip.NO_POOL)
@@ -330,6 +337,8 @@ class KVWatch:
                     )
                     residue = seal.residue if short else ()
                     verdicts.append(replace(verdict, instance=instance))
+        if context:
+            verdicts = [replace(v, detail={**context, **v.detail}) for v in verdicts]
         return [
             self._reporter.report(v, residue if v.detector == TransferChecksum.name else ())
             for v in stopped(verdicts, before_read)
@@ -350,6 +359,38 @@ class KVWatch:
             findings.append(self._tags.compare(owners, ticket.pages, ticket.tags, (instance,)))
             self._stats.verified(PageTags.name)
         return findings
+
+    @_hook(Hook.FREE, lambda: None)
+    def freed_before_read(
+        self,
+        request_id: str,
+        instance: str,
+        pages: PageIds,
+        detail: Mapping[str, int | str] | None = None,
+    ) -> Verdict | None:
+        """The writer's side of a lease that expired: ``request_id`` (``instance``) sent
+        ``pages`` to a remote reader, and they were freed before that read was confirmed. The
+        finding (``page_tag`` ``freed_before_read``, logged in every mode: the writer's request
+        is gone, the reader's check is what fails it) names as sources the requests that took
+        the pages since, from the holder slots, with page counts and when they wrote; none
+        when nobody took them (the reader reads what was sent)."""
+        if self._state is None or self._tags is None or not self._tags.active() or not len(pages):
+            return None
+        mode = Mode.LOG if self._tags.mode is Mode.ENFORCE else self._tags.mode
+        verdict = Verdict(
+            PageTags.name,
+            request_id,
+            False,
+            PageTags.FREED_BEFORE_READ,
+            tuple(int(p) for p in pages),
+            mode,
+            dict(detail or {}),
+            instance,
+        )
+        exposed = self._reporter.expose(verdict)
+        if not exposed.sources and not exposed.other_sources:
+            return None  # nobody took them (yet): nothing foreign for the reader to read
+        return self._reporter.report(verdict)
 
     @_hook(Hook.STEP, list)
     def check_step(self, ticket: Ticket, *, before_read: bool = False) -> list[Verdict]:

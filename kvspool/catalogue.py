@@ -81,6 +81,9 @@ KIND: Final = _label(
         "stale_tag": "a page's generation changed while a request still referenced it",
         "double_free": "a page returned to the free list while already free",
         "aborted_admitted": "an aborted request passed an admission queue",
+        "freed_before_read": "a sent request's pages were freed (and may be taken by other"
+        " requests) before its remote reader's read was confirmed: the writer's side of a"
+        " lease that expired",
     },
 )
 SKIP_REASON: Final = _label(
@@ -250,6 +253,13 @@ UNSAFE_BAND_HELP: Final = (
 )
 
 
+#: ``Event.detail`` key of a reader's finding on transferred KV: the node that sent it
+#: (``kvwatch_transfer_mismatches_total{peer}``).
+PEER_NODE: Final = "peer_node"
+#: Distinct peer nodes a daemon keeps as ``peer`` label values; later ones count as other.
+MAX_PEERS: Final = 32
+
+
 #: The labels of the families that describe an engine (its gauges, the unsafe band).
 ENGINE_LABELS: Final = ("role", "engine", "model", "rank", "source")
 
@@ -299,6 +309,14 @@ DAEMON_FAMILIES: Final = (
         "Requests whose KV an affected request received (each named source once, the sources a"
         " finding only counts once per incident), by the reader's role.",
         ("role",),
+    ),
+    Family(
+        "kvwatch_transfer_mismatches",
+        "counter",
+        "Detection events on transferred KV, by the node that sent it (the finding's"
+        f" peer_node): a bad link or NIC shows as one peer. At most {MAX_PEERS} peers per"
+        " daemon, the rest counted as other.",
+        ("peer",),
     ),
     Family(
         "kvwatch_spool_records",

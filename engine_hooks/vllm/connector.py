@@ -18,6 +18,7 @@ nothing would return.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from engine_hooks.guard import Guard
 from engine_hooks.labels import Detector, Hook, Skip
 from engine_hooks.scrub import parse_scrub
 from engine_hooks.vllm.layout import kv_pool
+from engine_hooks.vllm.lease import DEFAULT_FREED_WATCH_S
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
 from engine_hooks.vllm.worker import WorkerSide
@@ -80,6 +82,10 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         self.mode: Any = extra.get("mode", "log")
         self.scrub = parse_scrub(extra.get("scrub", Scrub.OFF), "scrub", logger)
         self.resolve_interval = float(extra.get("resolve_interval_s", 1.0))
+        # Who this engine is to its peers (their findings name it), and the transport's name.
+        self.node = str(extra.get("node") or socket.gethostname())[:128]
+        self.transport = str(extra.get("transport") or "")
+        self.freed_watch_s = float(extra.get("freed_watch_s", DEFAULT_FREED_WATCH_S))
         self.rank = _tp_rank(vllm_config)
         groups = kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec if groups else None
@@ -114,7 +120,10 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         self.watch = self._new_watch(None)
         parallel = getattr(self._vllm_config, "parallel_config", None)
         tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-        self.scheduler = SchedulerSide(self.num_blocks, self.block_size, tp_size)
+        identity = {"node": self.node, "engine_id": str(self._kv_transfer_config.engine_id)}
+        self.scheduler = SchedulerSide(
+            self.num_blocks, self.block_size, tp_size, identity, self.transport
+        )
         max_len = getattr(model_config, "max_model_len", None)
         if max_len and self.block_size:
             # Block 0 is the null block: the pool holds num_blocks - 1 usable blocks.
@@ -141,6 +150,8 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
                 self.watch.skip(detector, Skip.UNSUPPORTED_LAYOUT)
             return
         self.worker = WorkerSide(self.watch, pool, self.rank, self.resolve_interval)
+        if self.engine_role != "decode":
+            self.worker.watch_lease_expiry(self.freed_watch_s)
 
     @_guard(Hook.VERIFY)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -176,6 +187,8 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_guard(Hook.STARTUP)
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         if self.watch is not None:
             self.watch.close()
 

@@ -66,6 +66,8 @@ class ReserveJob:
     local_hits: int
     sealed_blocks: int
     reason: str = ""  # why the seal cannot be used, when it cannot
+    #: Who sent the KV (prefill's ``peer`` in the seal, the transport): the finding's detail.
+    peer: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -88,6 +90,8 @@ class KVWatchMetadata(KVConnectorMetadata):
     verify: list[VerifyJob] = field(default_factory=list)
     release: list[str] = field(default_factory=list)  # forget their tickets (and instances)
     writes: list[WriteJob] = field(default_factory=list)
+    #: Producer requests whose sending finished (``finished_sending``: read, or lease expired).
+    sent: list[str] = field(default_factory=list)
 
 
 @dataclass

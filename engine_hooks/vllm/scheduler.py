@@ -75,6 +75,7 @@ class _Consumer:
     reserved: bool = False
     local_hits: int = 0  # blocks from decode's own prefix cache, before the reserved ones
     loading: bool = False  # reserved blocks that a transport fills (async, or sync and seen)
+    peer: dict[str, str] = field(default_factory=dict)  # who sent the KV (see _peer_of)
 
 
 def _blocks(group_block_ids: Any) -> list[int] | None:
@@ -85,10 +86,45 @@ def _blocks(group_block_ids: Any) -> list[int] | None:
     return [int(b) for b in groups[0]]
 
 
+def _peer_of(params: dict[str, Any], wire: Any, transport: str) -> dict[str, str]:
+    """Who sent a decode request's KV, for its findings' ``detail``: prefill's request id, node
+    and engine id from the seal's ``peer`` (the instance is in each rank's seal), and the
+    transport (configured, else NIXL's when its params are there)."""
+    peer = wire.get("peer") if isinstance(wire, dict) else None
+    out: dict[str, str] = {}
+    if isinstance(peer, dict):
+        for key in ("request_id", "node", "engine_id"):
+            value = peer.get(key)
+            if isinstance(value, str) and value:
+                out[f"peer_{key}"] = value[:128]
+    # A prefill without kvwatch (no seal): NIXL's own params still say who sent it.
+    for key, nixl in (
+        ("peer_engine_id", "remote_engine_id"),
+        ("peer_request_id", "remote_request_id"),
+    ):
+        if key not in out and isinstance(params.get(nixl), str):
+            out[key] = params[nixl][:128]
+    if not transport:
+        transport = "nixl" if "remote_block_ids" in params else "other"
+    out["transport"] = transport[:64]
+    return out
+
+
 class SchedulerSide:
-    def __init__(self, num_blocks: int, block_size: int, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        tp_size: int = 1,
+        identity: dict[str, str] | None = None,
+        transport: str = "",
+    ) -> None:
         self.block_size = block_size
         self.tp_size = tp_size
+        #: This engine as a peer names it: node and engine id (prefill's ``peer`` in the seal).
+        self.identity = dict(identity or {})
+        self.transport = transport
+        self.sent: list[str] = []
         self.ledger = BlockLedger(num_blocks)
         self.producers: dict[str, _Producer] = {}
         self.consumers: dict[str, _Consumer] = {}
@@ -116,7 +152,7 @@ class SchedulerSide:
         elif params.get("do_remote_prefill") or isinstance(wire, dict):
             # A transport that loads synchronously (shared storage) sets no do_remote_prefill:
             # prefill's kvwatch key alone says the KV comes from another engine.
-            consumer = _Consumer(None, 0)
+            consumer = _Consumer(None, 0, peer=_peer_of(params, wire, self.transport))
             if isinstance(wire, dict) and isinstance(wire.get("seals"), dict):
                 consumer.seals = {str(k): dict(v) for k, v in wire["seals"].items()}
                 consumer.sealed_blocks = int(wire.get("blocks", 0))
@@ -159,6 +195,7 @@ class SchedulerSide:
                 consumer.local_hits,
                 consumer.sealed_blocks,
                 reason,
+                consumer.peer,
             )
         )
 
@@ -251,6 +288,8 @@ class SchedulerSide:
             "v": WIRE_VERSION,
             "tp": self.tp_size,
             "block_size": self.block_size,
+            # Who sent it, for decode's findings (the instance is in each rank's seal).
+            "peer": {"request_id": str(rid)[:128], **self.identity},
         }
         sent = _blocks(block_ids) if isinstance(block_ids, tuple) else list(block_ids)
         if producer.sealed is None or sent is None or sent != producer.sealed:
@@ -283,6 +322,8 @@ class SchedulerSide:
             if consumer is not None and consumer.reserved and not consumer.loading:
                 consumer.loading = True
                 self.verify.append(VerifyJob(rid))
+        # Read or lease expired (NIXL says which only in its log): the worker stops watching.
+        self.sent.extend(getattr(output, "finished_sending", None) or ())
         # A slot that was handed out this step and is still empty will not be filled later.
         self.slots.clear()
 
@@ -299,7 +340,9 @@ class SchedulerSide:
             verify=self.verify,
             release=self.release,
             writes=self.writes,
+            sent=self.sent,
         )
+        self.sent = []
         self.seal_jobs, self.reserve_jobs, self.verify, self.release = [], [], [], []
         self.writes = []
         return meta

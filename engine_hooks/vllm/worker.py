@@ -32,6 +32,7 @@ import torch
 from engine_hooks import KVWatch, PagedKVPool, Seal, Ticket, Verdict
 from engine_hooks.labels import Detector, Skip
 from engine_hooks.tickets import new_instance
+from engine_hooks.vllm.lease import DEFAULT_FREED_WATCH_S, LeaseWatch
 from engine_hooks.vllm.metadata import KVWatchMetadata, KVWatchWorkerMetadata, ReserveJob, VerifyJob
 
 
@@ -61,6 +62,8 @@ class WorkerSide:
         self.seals: dict[str, dict[str, dict[str, object]]] = {}
         self.load_errors: set[int] = set()
         self.verdicts: list[Verdict] = []  # every mismatch seen, for logs and tests
+        #: Prefill: the sent requests, and the ones whose lease expired (see lease.py).
+        self.lease = LeaseWatch(watch)
         # Block 0 is vLLM's null block: never allocated, freed or read. Everything else starts
         # on the free list.
         watch.on_free(range(1, pool.num_pages))
@@ -97,6 +100,10 @@ class WorkerSide:
             self.tickets.pop(rid, None)
             self.instances.pop(rid, None)
         self.to_seal.extend((job.request_id, job.block_ids) for job in meta.seal)
+        # After this step's writes (the holders it names include them); before meta.sent: an
+        # expiry is in both.
+        self._record(self.lease.step())
+        self.lease.done(meta.sent)
 
     def verify(self, job: VerifyJob) -> list[Verdict]:
         pending = self.tickets.pop(job.request_id, None)
@@ -112,13 +119,29 @@ class WorkerSide:
         # between reservation and this read, and a block it did not write keeps its last
         # writer, whom a finding names.
         self.watch.landed(ticket)
-        verdicts = self.watch.verify_admit(ticket, seal)
+        verdicts = self.watch.verify_admit(ticket, seal, context=self._peer(reserve))
         self._record(verdicts)
         held = [int(b) for b in ticket.pages]
         for verdict in verdicts:
             if verdict.blocks:  # enforce: vLLM fails (or recomputes) the request
                 self.load_errors.update(verdict.pages or held)
         return verdicts
+
+    def _peer(self, job: ReserveJob) -> dict[str, int | str]:
+        """Who sent the KV: the finding's detail (prefill's instance from this rank's seal)."""
+        peer: dict[str, int | str] = dict(job.peer)
+        instance = (job.seals or {}).get(self.rank, {}).get("instance")
+        if isinstance(instance, str) and instance:
+            peer["peer_instance"] = instance[:128]
+        return peer
+
+    def watch_lease_expiry(self, window_s: float = DEFAULT_FREED_WATCH_S) -> None:
+        """Prefill: report blocks freed before their remote read (NIXL's lease expiry)."""
+        self.lease.window_s = window_s
+        self.lease.attach()
+
+    def close(self) -> None:
+        self._record(self.lease.close())
 
     def instance_of(self, request_id: str) -> str:
         instance = self.instances.get(request_id)
@@ -157,8 +180,11 @@ class WorkerSide:
         for rid, block_ids in seals:
             seal = self._seal(block_ids)
             if seal is not None:
-                wire = seal.to_wire() | {"page_bytes": self.pool.page_bytes}
+                # The instance: decode's findings name it as their peer's (see lease.py).
+                instance = self.instance_of(rid)
+                wire = seal.to_wire() | {"page_bytes": self.pool.page_bytes, "instance": instance}
                 self.seals.setdefault(rid, {})[self.rank] = wire
+                self.lease.sealed(rid, instance, block_ids)
         self._resolve()
 
     def _seal(self, block_ids: list[int]) -> Seal | None:

@@ -279,6 +279,29 @@ ALERTS: tuple[Alert, ...] = (
         context=(AFFECTED_REQUESTS, EXPOSED_REQUESTS),
     ),
     Alert(
+        name="KVTransferPeerMismatches",
+        severity="critical",
+        expr=_q(
+            f"""
+            label_replace(
+              sum by (peer) (increase({exposed("transfer_mismatches")}{{peer!="other"}}[10m])) >= 3
+                and
+              sum by (peer) (increase({exposed("transfer_mismatches")}{{peer!="other"}}[10m]))
+                > scalar(0.5 * sum(increase({exposed("transfer_mismatches")}[10m]))),
+              "node", "$1", "peer", "(.*)"
+            )
+            """
+        ),
+        summary="One peer's KV transfers fail kvwatch's checks: a bad link or NIC on the node "
+        "that sends them. Drain that node.",
+        description=(
+            "KV that node {{ $labels.node }} sent (its prefill role's transfers) failed "
+            'kvwatch\'s checks on the readers {{ $value | printf "%.0f" }} time(s) in the last 10 '
+            "minutes, more than half of all transfer mismatches: drain {{ $labels.node }} and "
+            "check its link."
+        ),
+    ),
+    Alert(
         name="KVPoolSmallerThanContext",
         severity="critical",
         expr=_q(

@@ -126,9 +126,11 @@ def exposure(
     engine and instance (the reading side's), the pages its findings named (the most any one
     finding named) and its sources. ``sources``: each request whose KV was received, with the
     pages received (summed over readers) and which readers. A source is known by its request
-    id and instance on the reader's node (a KV pool is one node's). ``unnamed_sources``: the
-    sources a finding only counted (beyond the 16 an event names). Pages of one reader-source
-    pair found by several detectors count once: the most any one finding named. ``counts``:
+    id and instance on the node whose pool held its KV: the reader's, or for the writer's side
+    of a transfer (:func:`join_peers`) the writer's, named in the source's ``node``.
+    ``unnamed_sources``: the sources a finding only counted (beyond the 16 an event names).
+    Pages of one reader-source pair found by several detectors count once: the most any one
+    finding named. ``counts``:
     ``incidents`` and ``exposed`` are :func:`counts`' ``affected`` and ``exposed``.
     """
     readers: list[dict[str, Any]] = []
@@ -150,18 +152,23 @@ def exposure(
         reader["last_time_iso"] = iso(incident["last_time"])
         reader["pages"] = incident["pages_total"]
         reader["findings"] = len(incident["findings"])
+        if incident.get("peer"):  # the writer's request instance it was joined with
+            reader["peer"] = incident["peer"]
+        # A source on another node than the reader's (the writer's side of a transfer) says so.
         reader["sources"] = [
             {"request_id": s["request_id"], "instance": s["instance"], "pages": s["pages"]}
+            | ({"node": s["node"]} if s.get("node") not in (None, node) else {})
             for s in incident["sources"]
         ]
         readers.append(reader)
         for source in incident["sources"]:
+            held = source.get("node") or node  # a writer-side source: the writer's node
             entry = sources.setdefault(
-                (node, *source_key(source)),
+                (held, *source_key(source)),
                 {
                     "request_id": source["request_id"],
                     "instance": source["instance"],
-                    "node": node,
+                    "node": held,
                     "last_written": 0.0,
                     "readers": [],
                 },
@@ -216,7 +223,10 @@ def render_exposure(view: dict[str, Any], out: TextIO, *, as_json: bool) -> None
         ("FIRST SEEN (UTC)", "NODE", "ROLE", "ENGINE", "REQUEST", "INSTANCE", "PAGES", "SOURCES")
     ]
     for r in view["readers"]:
-        named = ", ".join(f"{s['request_id']} ({s['pages']})" for s in r["sources"])
+        named = ", ".join(
+            f"{s['request_id']}{'@' + s['node'] if 'node' in s else ''} ({s['pages']})"
+            for s in r["sources"]
+        )
         if r["other_sources"]:
             named += f"{', ' if named else ''}+{r['other_sources']} more"
         table.append(

@@ -95,6 +95,15 @@ class KvwatchCollector(Collector):
 
     # -- families -----------------------------------------------------------------------------
 
+    def _transfer_mismatches(self) -> Metric:
+        """By peer: every peer counted so far (at most MAX_PEERS), and other, from 0."""
+        family = _family("kvwatch_transfer_mismatches")
+        daemon = self.state.daemon
+        peers = {labels[0] for name, labels in daemon if name == "transfer_mismatches"}
+        for peer in sorted(peers | {catalogue.OTHER}):
+            family.add_metric([peer], daemon.get(("transfer_mismatches", (peer,)), 0.0))
+        return family
+
     def _families(self) -> Iterator[Metric]:
         state = self.state
         build = _family("kvwatch_build_info")
@@ -114,6 +123,7 @@ class KvwatchCollector(Collector):
         for key in _grid(tuple(label.sorted_values for label in labels)):
             incidents.add_metric(list(key), state.daemon.get(("incidents", key), 0.0))
         yield incidents
+        yield self._transfer_mismatches()
         for counter in ("affected_requests", "exposed_requests"):
             family = _family(f"kvwatch_{counter}")
             for role in catalogue.ROLE.sorted_values:

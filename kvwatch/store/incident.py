@@ -224,7 +224,64 @@ def group(findings: list[Finding]) -> list[dict[str, Any]]:
             incident["sources"].values(), key=lambda s: (-s["pages"], source_key(s))
         )
         incident["exposed"] = len(incident["sources"]) + incident["other_sources"]
-    return incidents
+    return join_peers(incidents)
+
+
+# -- across nodes: a reader and the writer's side of the same request -------------------------
+
+#: The writer's finding whose sources are a remote reader's: the requests that took a sent
+#: request's pages before its reader read them (vLLM: NIXL's lease expired).
+WRITER_SIDE: Final = frozenset({"freed_before_read"})
+
+
+def _peer(finding: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The writer's request instance a reader's finding names (node, request id, instance)."""
+    detail = finding.get("detail") or {}
+    peer = tuple(detail.get(k) for k in ("peer_node", "peer_request_id", "peer_instance"))
+    return peer if all(isinstance(v, str) and v for v in peer) else None  # type: ignore[return-value]
+
+
+def join_peers(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One incident for a request that two nodes saw: a reader's finding names the writer's
+    request instance (``peer_*`` in its detail) and that instance has a :data:`WRITER_SIDE`
+    finding on its node. The reader's incident takes the writer's findings, and, as sources
+    on the writer's node (``node`` in the source), the requests that wrote into the sent pages
+    no later than the reader's first finding on them (it read before it checked; the rest came
+    too late to be read). Times are two nodes' clocks: keep them in sync (NTP)."""
+    writers: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for incident in incidents:
+        if any(f["kind"] in WRITER_SIDE for f in incident["findings"]):
+            for instance in incident["instances"]:
+                writers[(incident["node"], incident["request_id"], instance)] = incident
+    if not writers:
+        return incidents
+    merged: set[int] = set()
+    for incident in incidents:
+        reads = [(f["time"], _peer(f)) for f in incident["findings"] if _peer(f) is not None]
+        for read_at, peer in sorted(reads, key=lambda r: r[0]):
+            writer = writers.get(peer)  # type: ignore[arg-type]
+            if writer is None or writer is incident or id(writer) in merged:
+                continue
+            merged.add(id(writer))
+            _take_writer(incident, writer, read_at)
+    return [i for i in incidents if id(i) not in merged]
+
+
+def _take_writer(reader: dict[str, Any], writer: dict[str, Any], read_at: float) -> None:
+    reader["findings"].extend(writer["findings"])
+    reader["findings"].sort(key=lambda f: f["time"])
+    for name in ("instances", "roles"):
+        reader[name].extend(v for v in writer[name] if v not in reader[name])
+    reader["detectors"].extend(d for d in writer["detectors"] if d not in reader["detectors"])
+    reader["peer"] = {"node": writer["node"], "request_id": writer["request_id"],
+                      "instance": writer["instance"]}  # fmt: skip
+    known = {(s.get("node") or reader["node"], *source_key(s)) for s in reader["sources"]}
+    for source in writer["sources"]:
+        key = (writer["node"], *source_key(source))
+        if source["written_at"] <= read_at and key not in known:
+            reader["sources"].append({**source, "node": writer["node"]})
+    reader["sources"].sort(key=lambda s: (-s["pages"], source_key(s)))
+    reader["exposed"] = len(reader["sources"]) + reader["other_sources"]
 
 
 def _new_incident(row: Finding) -> dict[str, Any]:
@@ -309,7 +366,7 @@ def _add_finding(incident: dict[str, Any], finding: Finding) -> None:
 def counts(incidents: list[dict[str, Any]]) -> dict[str, int]:
     """What every view says: ``affected`` requests (incidents) and ``exposed`` requests (the
     distinct sources on their node, and the ones only counted, beyond the 16 an event names)."""
-    named = {(i["node"], *source_key(s)) for i in incidents for s in i["sources"]}
+    named = {(s.get("node") or i["node"], *source_key(s)) for i in incidents for s in i["sources"]}
     return {
         "affected": len(incidents),
         "exposed": len(named) + sum(i["other_sources"] for i in incidents),

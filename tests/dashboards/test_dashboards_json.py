@@ -25,6 +25,7 @@ PUBLIC_METRICS = (
 PROMQL_WORDS = {
     "sum", "max", "min", "count", "group", "by", "on", "or", "and", "unless", "bool",
     "group_left", "rate", "increase", "time", "vector", "ignoring", "without", "topk", "sort",
+    "scalar", "label_replace",
 }  # fmt: skip
 
 

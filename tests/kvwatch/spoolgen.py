@@ -74,8 +74,10 @@ class Producer:
         other_sources: int = 0,
         other_source_pages: int = 0,
         stopped: bool = False,
+        detail: dict[str, int | str] | None = None,
     ) -> bytes:
-        """``stopped``: an enforce-mode finding whose request was failed before it read."""
+        """``stopped``: an enforce-mode finding whose request was failed before it read;
+        ``detail``: more of the event's detail (a reader's peer)."""
         pages = [1, 2, 3, 4, 5, 6, 7] if pages is None else pages
         fields = {
             "detector": detector,
@@ -85,7 +87,9 @@ class Producer:
             "request_id": request_id,
             "pages": pages,
             "pages_total": len(pages),
-            "detail": {"unwritten": len(pages)} | ({"stopped_before_read": 1} if stopped else {}),
+            "detail": {"unwritten": len(pages)}
+            | ({"stopped_before_read": 1} if stopped else {})
+            | (detail or {}),
         }
         if instance is not None:
             fields["instance"] = instance

@@ -3,6 +3,7 @@ journals and incidents logs, through the real command line."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -364,3 +365,85 @@ def test_a_request_stopped_before_it_read_is_an_incident_but_no_reader(
         (r["request_id"], [s["request_id"] for s in r["sources"]]) for r in view["readers"]
     ] == [("t", ["bob"])]
     assert view["counts"]["incidents"] == 2 and view["counts"]["exposed"] == 1
+
+
+def _lease_case() -> list[dict[str, Any]]:
+    """A lease that expired: prefill (node p) freed request x-p's blocks, t1 and t2 took some
+    (t2 after decode's read), decode (node d) read them as request x-d and found a digest
+    mismatch naming its peer."""
+    peer = {"peer_node": "p", "peer_request_id": "x-p", "peer_instance": "p#1",
+            "peer_engine_id": "e-p", "transport": "nixl"}  # fmt: skip
+    return [
+        _finding(id=1, time=T0 + 10, node="d", request_id="x-d", instance="d#1",
+                 detector="checksum", kind="digest", detail=peer),
+        _finding(id=1, time=T0 + 20, node="p", role="prefill", request_id="x-p",
+                 instance="p#1", detector="page_tag", kind="freed_before_read",
+                 sources=[{**_src("t1", 2, "t1#1"), "written_at": T0 + 5},
+                          {**_src("t2", 1, "t2#1"), "written_at": T0 + 12}]),
+        # Another prefill node's request of the same id and instance is another request.
+        _finding(id=2, time=T0 + 20, node="q", role="prefill", request_id="x-p",
+                 instance="p#1", detector="page_tag", kind="freed_before_read",
+                 sources=[{**_src("u1", 3, "u1#1"), "written_at": T0 + 5}]),
+    ]  # fmt: skip
+
+
+def test_a_reader_joins_the_writers_side_of_the_same_request_instance() -> None:
+    """Decode's finding names its peer (prefill's node, request id and instance): the fleet
+    view makes them one incident, and names as the reader's sources, on prefill's node, the
+    requests that took the sent blocks before the read (t1), not after (t2)."""
+    grouped = incidents.group(incidents.merge([_lease_case()]))
+    assert [(i["node"], i["request_id"]) for i in grouped] == [("d", "x-d"), ("q", "x-p")]
+    reader = grouped[0]
+    assert reader["roles"] == ["decode", "prefill"] and len(reader["findings"]) == 2
+    assert reader["peer"] == {"node": "p", "request_id": "x-p", "instance": "p#1"}
+    assert [(s["node"], s["request_id"], s["pages"]) for s in reader["sources"]] == [("p", "t1", 2)]
+    assert incidents.counts(grouped) == {"affected": 2, "exposed": 2}
+    view = incidents.exposure(grouped, since=None, until=None)
+    (first, _other) = view["readers"]
+    assert first["request_id"] == "x-d" and first["node"] == "d"
+    assert first["sources"] == [{"request_id": "t1", "instance": "t1#1", "pages": 2, "node": "p"}]
+    assert {(s["node"], s["request_id"]) for s in view["sources"]} == {("p", "t1"), ("q", "u1")}
+    out = io.StringIO()
+    incidents.render_exposure(view, out, as_json=False)
+    assert "t1@p (2)" in out.getvalue()
+
+
+def test_a_writers_side_finding_without_its_reader_stays_an_incident() -> None:
+    rows = _lease_case()[1:2]
+    (alone,) = incidents.group(rows)
+    assert alone["node"] == "p" and [s["request_id"] for s in alone["sources"]] == ["t1", "t2"]
+
+
+def test_cli_exposed_joins_a_decode_journal_and_a_prefill_incidents_log(tmp_path: Path) -> None:
+    """The lease case as the disclosure team gets it: decode's journal and prefill's incidents
+    log, through the spool reader, the journal, the log and the command line."""
+    peer = {"peer_node": "pre", "peer_request_id": "x-p", "peer_instance": "p#1"}
+    dec = _node(
+        tmp_path, "dec", [("x-d", {"detector": "checksum", "kind": "digest", "detail": peer})]
+    )
+    spool = tmp_path / "spool-pre"
+    spool.mkdir()
+    journal = Journal(tmp_path / "pre.db")
+    p = Producer(spool, "vllm-prefill-r0-2-bbbb0001", node="pre", role="prefill")
+    taker = [{"request_id": "t1", "pages": 3, "instance": "t1#1", "written_at": T0 - 5}]
+    late = [{"request_id": "t9", "pages": 1, "instance": "t9#1", "written_at": T0 + 500}]
+    p.append(
+        p.hello(),
+        p.event("x-p", "page_tag", "freed_before_read", instance="p#1", sources=taker + late),
+    )
+    SpoolReader(spool, journal, journal.load(), idle_grace=3600.0, node="pre").poll()
+    log = tmp_path / "pre.jsonl"
+    IncidentsLog(log, max_bytes=1 << 20, keep=3).drain(journal)
+    journal.close()
+    out = run_cli(
+        "incidents", "--exposed", "--json", "--journal", str(dec), "--incidents-log", str(log)
+    )
+    assert out.returncode == 0, out.stderr
+    view = json.loads(out.stdout)
+    (reader,) = view["readers"]
+    assert (reader["node"], reader["request_id"]) == ("dec", "x-d")
+    assert reader["peer"] == {"node": "pre", "request_id": "x-p", "instance": "p#1"}
+    assert reader["sources"] == [
+        {"request_id": "t1", "instance": "t1#1", "pages": 3, "node": "pre"}
+    ]
+    assert view["counts"]["incidents"] == 1 and view["counts"]["exposed"] == 1

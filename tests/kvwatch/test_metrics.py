@@ -59,6 +59,8 @@ def fixed_state(spool: Path, journal: Journal) -> State:
             other_source_pages=5,
         ),
         decode.event("req-8", detector="checksum", kind="digest"),
+        # A transferred request's finding names the node that sent its KV.
+        decode.event("req-10", detector="checksum", kind="digest", detail={"peer_node": "pf-1"}),
     )
     prefill = Producer(spool, "sglang-prefill-r0-101-aaaa0002", role="prefill", t0=FIXED_T0)
     hello = prefill.hello()
@@ -107,12 +109,14 @@ def test_golden_metrics_and_promtool(spool: Path, journal: Journal, tmp_path: Pa
 def test_every_known_series_starts_at_zero(journal: Journal) -> None:
     families = {f.name: f for f in text_string_to_metric_families(render(journal.load()))}
     mismatches = families["kvwatch_mismatches"].samples
-    assert len(mismatches) == 7 * 4 * 8  # detectors (with other) x roles x kinds
+    assert len(mismatches) == 7 * 4 * 9  # detectors (with other) x roles x kinds
     assert {s.value for s in mismatches} == {0.0}
     rejected = {s.labels["reason"] for s in families["kvwatch_spool_rejected"].samples}
     assert {"crc", "torn", "owner", "schema", "oversize", "sequence"} <= rejected
     assert families["kvwatch_nvml_up"].samples[0].value == 0
     assert len(families["kvwatch_exposed_requests"].samples) == 4  # roles, with other
+    peers = families["kvwatch_transfer_mismatches"].samples
+    assert [(s.labels, s.value) for s in peers] == [({"peer": "other"}, 0.0)]
     for name in (
         "kvwatch_spool_records",
         "kvwatch_spool_lost_records",
@@ -223,3 +227,29 @@ def test_500_producers_minting_versions_keep_each_cap_exactly(tmp_path: Path) ->
     }
     assert {name for name, _ in elsewhere} <= {"kvwatch_build_info", "python_info"}
     assert len(elsewhere) <= 2
+
+
+def test_transfer_mismatches_by_peer_are_capped_and_survive_a_restart(
+    spool: Path, journal: Journal
+) -> None:
+    """Per sending node, the first MAX_PEERS peers by name and the rest as other; what the
+    journal keeps, a restarted daemon shows (every known peer, from its count)."""
+    from kvspool.catalogue import MAX_PEERS
+
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600.0)
+    p = Producer(spool, "vllm-decode-r0-7-eeee0001", engine="vllm", role="decode")
+    events = [p.hello()]
+    events += [
+        p.event(f"r-{i}", detector="checksum", kind="digest", detail={"peer_node": f"pf-{i}"})
+        for i in range(MAX_PEERS + 5)
+    ]
+    events.append(p.event("r-x", detector="checksum", kind="digest", detail={"peer_node": "pf-0"}))
+    events.append(p.event("r-y", detector="checksum", kind="digest"))  # no peer: not counted
+    p.append(*events)
+    reader.poll()
+    for current in (state, journal.load()):
+        families = {f.name: f for f in text_string_to_metric_families(render(current))}
+        peers = {s.labels["peer"]: s.value for s in families["kvwatch_transfer_mismatches"].samples}
+        assert len(peers) == MAX_PEERS + 1
+        assert peers["pf-0"] == 2 and peers["pf-1"] == 1 and peers["other"] == 5

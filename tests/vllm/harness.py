@@ -200,13 +200,16 @@ class Node:
     name: str = ""
     layout: KVCacheLayout = KVCacheLayout.LBHNC
     scrub: str = "off"  # the kvwatch connector's "scrub" extra config
+    kvwatch_extra: dict[str, Any] = field(default_factory=dict)  # more of its extra config
     finished: dict[str, Any] = field(default_factory=dict)  # rid -> final EngineCoreOutput
     preempted: int = 0  # requests vLLM's scheduler preempted
 
     def __post_init__(self) -> None:
         self.name = self.name or self.role
+        mine = kvwatch_child(self.role, self.spool, self.mode, self.scrub)
+        mine["kv_connector_extra_config"].update(self.kvwatch_extra)
         children = [
-            kvwatch_child(self.role, self.spool, self.mode, self.scrub),
+            mine,
             transport_child(self.transport, self.role, self.link, self.name),
         ]
         if not self.kvwatch_first:

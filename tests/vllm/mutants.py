@@ -25,6 +25,7 @@ TESTS = [
     "tests/vllm/test_connector.py",
     "tests/vllm/test_pd.py",
     "tests/vllm/test_exposure.py",
+    "tests/vllm/test_lease.py",
     "-x",
     "-q",
     "-k",
@@ -68,6 +69,9 @@ CALLS: dict[str, Callable[[], None]] = {
     "call: KVWatch.landed": _noop("engine_hooks.watch", "KVWatch", "landed"),
     "call: BlockLedger.evicted": _noop("engine_hooks.vllm.blocks", "BlockLedger", "evicted"),
     "call: KVWatch(scrub=...)": _no_scrub,
+    # Prefill's side of an expired lease: NIXL's expiry record, and the finding it leads to.
+    "call: LeaseWatch.attach": _noop("engine_hooks.vllm.lease", "LeaseWatch", "attach"),
+    "call: KVWatch.freed_before_read": _noop("engine_hooks.watch", "KVWatch", "freed_before_read"),
 }
 
 

@@ -18,6 +18,7 @@ test damage a transfer the way a faulty transport would.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+#: NIXL's worker's logger, where its lease expiry is logged (nixl/base_worker.py).
+NIXL_LOGGER = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
 Arrival = Callable[[str, dict[str, torch.Tensor], list[int]], None]
 
 
@@ -39,6 +42,9 @@ class Link:
     read: set[str] = field(default_factory=set)  # transfers decode has finished reading
     on_arrival: dict[str, Arrival] = field(default_factory=dict)  # rid -> after the bytes land
     delay: int = 1  # get_finished calls between start_load_kv and the bytes landing
+    #: Prefill transfers whose lease a test lets expire unread: as NIXL, the worker logs its
+    #: warning and reports them in finished_sending (the scheduler frees their blocks).
+    expire: set[str] = field(default_factory=set)
 
 
 LINKS: dict[str, Link] = {}
@@ -171,6 +177,15 @@ class AsyncTransport(KVConnectorBase_V1, SupportsHMA):
                 hook(rid, self.kv, load.local)
             self.link.read.add(rid)
             recving.add(rid)
+        for rid in sorted(self.holding & self.link.expire):
+            self.link.expire.discard(rid)
+            self.link.read.add(rid)
+            NIXL_LOGGER.warning(
+                "Releasing expired KV blocks for request %s which were "
+                "retrieved by %d remote worker(s) before lease expired.",
+                rid,
+                0,
+            )
         sending = {rid for rid in self.holding if rid in self.link.read}
         self.holding -= sending
         self.link.read -= sending

@@ -9,15 +9,30 @@ naming the request; in enforce mode vLLM's ``kv_load_failure_policy`` ("fail") f
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.vllm_pd.bed import ROOT, Bed, running_bed
+from kvwatch import incidents
+from tests.vllm_pd.bed import (
+    EXPIRED_LEASE,
+    FREED_WATCH_S,
+    ROOT,
+    SHORT_LEASE_S,
+    Bed,
+    Server,
+    reply,
+    running_bed,
+)
 
 MODEL = ROOT / "build" / "vllm-pd-model"
 SPOOL_WAIT_S = 15.0
@@ -160,3 +175,185 @@ def test_prefill_and_other_servers_stay_clean_after_corruption(bed: Bed) -> None
     # later is never blamed on prefill's own pages.
     assert describe(findings(bed, "prefill")) == []
     assert counter(bed, "prefill", "hook_errors") == 0
+
+
+# -- two machines, one request: the lease case and the bad peer (NIXL bed only) ----------------
+
+LEASE_WAIT_S = 90.0
+
+
+def nixl_only(bed: Bed) -> Server:
+    if bed.lease is None:
+        pytest.skip("the lease case and the second prefill are the NIXL bed's")
+    return bed.lease
+
+
+def expired_rid(lease: Server, before: int) -> str | None:
+    """The request whose lease NIXL logged as expired after the first ``before`` expiries."""
+    lines = [ln for ln in lease.log.read_text(errors="replace").splitlines() if EXPIRED_LEASE in ln]
+    if len(lines) <= before:
+        return None
+    match = re.search(r"for request (\S+) which", lines[before])
+    return match.group(1) if match else None
+
+
+def rows(bed: Bed, server: str) -> list[dict[str, Any]]:
+    """The server's findings as the journal and incidents log give them to ``kvwatch
+    incidents`` (node: the server's kvwatch node name)."""
+    spool = bed.spool(server)
+    hello = next(r for r in spool.records if r["type"] == "hello")
+    return [
+        {
+            "id": None, "time": e["ts"], "node": server, "role": hello["role"],
+            "engine": hello["engine"], "engine_version": hello["engine_version"],
+            "model": hello["model"], "rank": hello["rank"], "producer": e["producer"],
+            "seq": e["seq"], "request_id": e["request_id"], "instance": e.get("instance"),
+            "detector": e["detector"], "kind": e["kind"], "mode": e["mode"],
+            "action": e["action"], "pages": e["pages"], "pages_total": e["pages_total"],
+            "detail": e.get("detail", {}),
+            "sources": [{"instance": None, **s} for s in e.get("sources", [])],
+            "other_sources": e.get("other_sources", 0),
+            "other_source_pages": e.get("other_source_pages", 0),
+        }
+        for e in spool.events()
+    ]  # fmt: skip
+
+
+def lease_case(bed: Bed, mode: str, seed: int) -> dict[str, Any]:
+    """A victim prefilled on prefill-lease; the proxy holds its decode half while other users'
+    requests (plain, on prefill-lease) run until NIXL's lease expires and kvwatch's prefill
+    finding is out; then decode reads. Returns what happened, and vLLM's own ground truth."""
+    lease = nixl_only(bed)
+    before = Bed.expiries(lease)
+    victim = f"{mode} victim {seed} " + prompt(seed, 110)
+    params = bed.prefill_half(victim, prefill=lease)
+    blocks = [int(b) for b in params["remote_block_ids"][0]]  # NIXL's: one list per group
+    deadline = time.monotonic() + LEASE_WAIT_S
+    rid, freed, i = None, None, 0
+    while freed is None and time.monotonic() < deadline:
+        served = reply(lease.complete(f"other {seed} {i} " + prompt(seed + i + 1, 150), 1))
+        assert served.status == 200, served.body
+        i += 1
+        rid = rid or expired_rid(lease, before)
+        if rid is not None:
+            mine = [e for e in findings(bed, "prefill-lease") if e["request_id"] == rid]
+            freed = mine[0] if mine else None
+    assert rid is not None, f"no lease expired:\n{lease.tail()}"
+    assert rid == params["remote_request_id"], (rid, params["remote_request_id"])
+    assert freed is not None, "no freed_before_read finding on prefill-lease"
+    read_at = time.time()
+    served = reply(bed.decode[mode].complete(victim, 4, params))
+    # Ground truth, from vLLM's scheduler on prefill-lease: per victim block, the last request
+    # it was allocated to before decode read it (after the expiry; the victim's own otherwise).
+    last: dict[int, str] = {}
+    for line in (bed.records or Path()).read_text().splitlines():
+        row = json.loads(line)
+        if row["t"] <= read_at:
+            for block in row["blocks"]:
+                last[block] = row["request_id"]
+    took: dict[str, int] = {}
+    for block in blocks:
+        holder = last.get(block)
+        if holder is not None and holder != rid:
+            took[holder] = took.get(holder, 0) + 1
+    return {"rid": rid, "freed": freed, "served": served, "took": took, "blocks": blocks}
+
+
+def reader_of(bed: Bed, mode: str, rid: str) -> dict[str, Any]:
+    deadline = time.monotonic() + SPOOL_WAIT_S
+    while True:
+        mine = [
+            e
+            for e in findings(bed, f"decode-{mode}")
+            if (e.get("detail") or {}).get("peer_request_id") == rid
+        ]
+        if mine or time.monotonic() > deadline:
+            assert len(mine) == 1, describe(mine)
+            return mine[0]
+        time.sleep(0.5)
+
+
+def test_an_expired_lease_is_caught_on_both_sides_and_the_view_names_the_takers(
+    bed: Bed,
+) -> None:
+    case = lease_case(bed, "log", 31)
+    assert case["served"].status == 200  # log mode: served, from other users' KV
+    freed = case["freed"]
+    assert (freed["detector"], freed["kind"], freed["action"]) == (
+        "page_tag", "freed_before_read", "logged",
+    )  # fmt: skip
+    assert sorted(freed["pages"]) == sorted(case["blocks"])
+    named = {s["request_id"]: s["pages"] for s in freed["sources"]}
+    assert case["took"], "the test is about something: other requests took the blocks"
+    assert named == case["took"]  # exactly vLLM's takers, block counts included
+    read = reader_of(bed, "log", case["rid"])
+    assert (read["detector"], read["kind"]) == ("checksum", "digest")
+    detail = read["detail"]
+    assert detail["peer_node"] == "prefill-lease" and detail["transport"] == "nixl"
+    assert detail["peer_instance"] == freed["instance"] and detail["peer_engine_id"]
+    # The fleet disclosure view over both nodes: one incident, the takers as its sources.
+    both = [rows(bed, "decode-log"), rows(bed, "prefill-lease")]
+    grouped = incidents.group(incidents.merge(both))
+    (incident,) = [i for i in grouped if i.get("peer", {}).get("request_id") == case["rid"]]
+    assert {s["request_id"]: s["pages"] for s in incident["sources"]} == case["took"]
+    assert all(s["node"] == "prefill-lease" for s in incident["sources"])
+    apart = [i for i in grouped if (i["node"], i["request_id"]) == ("prefill-lease", case["rid"])]
+    assert not apart  # joined: one incident, not one per node
+
+
+def test_an_expired_lease_fails_the_request_in_enforce_mode(bed: Bed) -> None:
+    case = lease_case(bed, "enforce", 41)
+    assert case["served"].status != 200
+    read = reader_of(bed, "enforce", case["rid"])
+    assert read["action"] == "enforced" and read["detail"]["peer_node"] == "prefill-lease"
+
+
+def test_a_slow_read_inside_the_lease_is_no_finding(bed: Bed) -> None:
+    lease = nixl_only(bed)
+    for attempt in (1, 2):  # a transport stall past the lease is retried once, named
+        before = {s: len(findings(bed, s)) for s in ("prefill-lease", "decode-log")}
+        expired = Bed.expiries(lease)
+        victim = f"slow {attempt} " + prompt(51 + attempt, 110)
+        params = bed.prefill_half(victim, prefill=lease)
+        held = time.monotonic() + SHORT_LEASE_S / 2  # the proxy holds it, inside the lease
+        i = 0
+        while time.monotonic() < held:
+            lease.complete(f"slow other {attempt} {i} " + prompt(60 + i, 150), 1)
+            i += 1
+        served = reply(bed.decode["log"].complete(victim, 4, params))
+        if Bed.expiries(lease) > expired and attempt == 1:
+            print(f"retrying: {EXPIRED_LEASE} on prefill-lease (a transport stall, not kvwatch)")
+            continue
+        assert served.status == 200, served.body
+        time.sleep(FREED_WATCH_S + 1)
+        lease.complete("slow after", 1)  # a step closes kvwatch's window, were one open
+        for server, count in before.items():
+            assert describe(findings(bed, server)[count:]) == [], server
+        return
+
+
+def test_the_peer_metric_and_alert_name_the_corrupting_prefill_only(bed: Bed) -> None:
+    lease = nixl_only(bed)
+    for i in range(3):  # the main prefill's transfers corrupted after the seal
+        bed.pd("log", f"peer corrupt {i} " + prompt(70 + i, 70), 4, corrupt=True)
+    for i in range(3):  # the other prefill's clean
+        clean = bed.pd("log", f"peer clean {i} " + prompt(80 + i, 70), 4, prefill=lease)
+        assert clean.status == 200, clean.body
+    deadline = time.monotonic() + SPOOL_WAIT_S
+    while time.monotonic() < deadline:
+        peers = [(e.get("detail") or {}).get("peer_node") for e in findings(bed, "decode-log")]
+        if peers.count("prefill") >= 4:  # test_kv_corrupted..._in_log_mode's and these 3
+            break
+        time.sleep(0.5)
+    daemon = ROOT / ".venv" / "bin" / "python"
+    run = subprocess.run(
+        [str(daemon), str(ROOT / "tests/vllm_pd/peers.py"), str(bed.spools["decode-log"]),
+         "decode-log", "--promtool"],
+        capture_output=True, text=True, check=False, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    view = json.loads(run.stdout.strip().splitlines()[-1])
+    assert view["peers"]["prefill"] >= 4, view
+    assert view["peers"].get("prefill-lease", 0) < 3, view  # its lease-case reads, at most 1
+    assert view["alerted"] == ["prefill"], view

@@ -639,6 +639,7 @@ class SpoolReader:
                 row.detail = sorted_detail(row.detail)
             rows.append(row)
         join, affected = self._joiner.join, (_ROLE(role),)
+        self._count_peers()
         for e, ts in self._events:
             key, new = join(node, e.request_id, e.instance or "", (role, e.detector, e.kind), ts)
             if new:
@@ -648,6 +649,23 @@ class SpoolReader:
         self._events.clear()
         self._batch.findings += rows
         self._incidents_seen.update(map(_INCIDENT_LABELS, rows))
+
+    def _count_peers(self) -> None:
+        """``kvwatch_transfer_mismatches_total{peer}`` for the events read that name the node
+        that sent their KV; at most MAX_PEERS peers (the ones counted first), then other."""
+        peers: list[str] = []
+        for e, _ in self._events:
+            peer = e.detail.get(catalogue.PEER_NODE) if e.detail else None
+            if isinstance(peer, str) and peer and peer != catalogue.OTHER:
+                peers.append(peer)
+        if not peers:
+            return
+        known = {labels[0] for name, labels in self.state.daemon if name == "transfer_mismatches"}
+        known.discard(catalogue.OTHER)
+        for peer in peers:
+            if peer not in known and len(known) < catalogue.MAX_PEERS:
+                known.add(peer)
+            self._count("transfer_mismatches", (peer if peer in known else catalogue.OTHER,))
 
     def _count_incidents(self) -> int:
         """Add the incidents seen to ``kvwatch_incidents_total``; returns how many."""
