@@ -391,26 +391,25 @@ def test_a_reader_joins_the_writers_side_of_the_same_request_instance() -> None:
     """Decode's finding names its peer (prefill's node, request id and instance): the fleet
     view makes them one incident, and names as the reader's sources, on prefill's node, the
     requests that took the sent blocks before the read (t1), not after (t2)."""
-    grouped = incidents.group(incidents.merge([_lease_case()]))
+    grouped = incidents.group(_findings(*_lease_case()))
     assert [(i["node"], i["request_id"]) for i in grouped] == [("d", "x-d"), ("q", "x-p")]
     reader = grouped[0]
     assert reader["roles"] == ["decode", "prefill"] and len(reader["findings"]) == 2
     assert reader["peer"] == {"node": "p", "request_id": "x-p", "instance": "p#1"}
     assert [(s["node"], s["request_id"], s["pages"]) for s in reader["sources"]] == [("p", "t1", 2)]
     assert incidents.counts(grouped) == {"affected": 2, "exposed": 2}
-    view = incidents.exposure(grouped, since=None, until=None)
+    view = views.exposure(grouped, since=None, until=None)
     (first, _other) = view["readers"]
     assert first["request_id"] == "x-d" and first["node"] == "d"
     assert first["sources"] == [{"request_id": "t1", "instance": "t1#1", "pages": 2, "node": "p"}]
     assert {(s["node"], s["request_id"]) for s in view["sources"]} == {("p", "t1"), ("q", "u1")}
     out = io.StringIO()
-    incidents.render_exposure(view, out, as_json=False)
+    views.render_exposure(view, out, as_json=False)
     assert "t1@p (2)" in out.getvalue()
 
 
 def test_a_writers_side_finding_without_its_reader_stays_an_incident() -> None:
-    rows = _lease_case()[1:2]
-    (alone,) = incidents.group(rows)
+    (alone,) = incidents.group(_findings(*_lease_case()[1:2]))
     assert alone["node"] == "p" and [s["request_id"] for s in alone["sources"]] == ["t1", "t2"]
 
 
