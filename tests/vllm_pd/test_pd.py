@@ -22,7 +22,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvwatch import incidents
+from kvspool import Source
+from kvwatch.store import incident as incidents
+from kvwatch.store.incident import Finding
 from tests.vllm_pd.bed import (
     EXPIRED_LEASE,
     FREED_WATCH_S,
@@ -197,24 +199,23 @@ def expired_rid(lease: Server, before: int) -> str | None:
     return match.group(1) if match else None
 
 
-def rows(bed: Bed, server: str) -> list[dict[str, Any]]:
+def rows(bed: Bed, server: str) -> list[Finding]:
     """The server's findings as the journal and incidents log give them to ``kvwatch
     incidents`` (node: the server's kvwatch node name)."""
     spool = bed.spool(server)
     hello = next(r for r in spool.records if r["type"] == "hello")
     return [
-        {
-            "id": None, "time": e["ts"], "node": server, "role": hello["role"],
-            "engine": hello["engine"], "engine_version": hello["engine_version"],
-            "model": hello["model"], "rank": hello["rank"], "producer": e["producer"],
-            "seq": e["seq"], "request_id": e["request_id"], "instance": e.get("instance"),
-            "detector": e["detector"], "kind": e["kind"], "mode": e["mode"],
-            "action": e["action"], "pages": e["pages"], "pages_total": e["pages_total"],
-            "detail": e.get("detail", {}),
-            "sources": [{"instance": None, **s} for s in e.get("sources", [])],
-            "other_sources": e.get("other_sources", 0),
-            "other_source_pages": e.get("other_source_pages", 0),
-        }
+        Finding(
+            id=None, ts=e["ts"], node=server, producer=e["producer"], seq=e["seq"],
+            role=hello["role"], engine=hello["engine"], engine_version=hello["engine_version"],
+            model=hello["model"], rank=hello["rank"], request_id=e["request_id"],
+            instance=e.get("instance"), detector=e["detector"], kind=e["kind"], mode=e["mode"],
+            action=e["action"], pages=e["pages"], pages_total=e["pages_total"],
+            sources=[Source(**{"instance": None, **s}) for s in e.get("sources", [])],
+            other_sources=e.get("other_sources", 0),
+            other_source_pages=e.get("other_source_pages", 0),
+            detail=e.get("detail", {}),
+        )
         for e in spool.events()
     ]  # fmt: skip
 
