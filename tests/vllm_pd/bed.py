@@ -43,12 +43,6 @@ REQUEST_TIMEOUT_S = 240.0
 # (vLLM logs "Potentially invalid KV blocks" on prefill and serves the request). A UCX/TCP read on
 # loopback was seen to stall 35 s on a quiet machine; the lease outlasts any request of the bed.
 KV_LEASE_S = 600
-# The lease case's prefill (``prefill-lease``, NIXL bed only): a lease of a few seconds, a small
-# pool (other requests soon take freed blocks), kvwatch's watch window after an expiry, and
-# vLLM's block allocations recorded by the engine (tests/vllm_pd/recorder.py).
-SHORT_LEASE_S = 4
-LEASE_POOL_BLOCKS = 24
-FREED_WATCH_S = 2.0
 EXPIRED_LEASE = "Releasing expired KV blocks"
 WARM_WORDS = [f"w{i}" for i in range(96)]  # over NIXL's 64-token recompute threshold
 
@@ -59,26 +53,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kvwatch_child(
-    role: str, spool: Path, mode: str, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def kvwatch_child(role: str, spool: Path, mode: str) -> dict[str, Any]:
     return {
         "kv_connector": "KVWatchConnector",
         "kv_connector_module_path": "engine_hooks.vllm",
         "kv_role": role,
-        "kv_connector_extra_config": {"spool": str(spool), "mode": mode, **(extra or {})},
+        "kv_connector_extra_config": {"spool": str(spool), "mode": mode},
     }
 
 
-def transport_child(
-    transport: str, role: str, storage: Path, lease_s: int = KV_LEASE_S
-) -> dict[str, Any]:
+def transport_child(transport: str, role: str, storage: Path) -> dict[str, Any]:
     if transport == "nixl":
         return {
             "kv_connector": "NixlConnector",
             "kv_role": role,
             "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"kv_lease_duration": lease_s},
+            "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S},
         }
     return {
         "kv_connector": "ExampleConnector",
@@ -88,31 +78,9 @@ def transport_child(
 
 
 def transfer_config(
-    transport: str,
-    role: str,
-    spool: Path,
-    mode: str,
-    storage: Path,
-    corrupter: bool,
-    *,
-    node: str = "",
-    lease_s: int = KV_LEASE_S,
-    kvwatch_extra: dict[str, Any] | None = None,
-    records: Path | None = None,
+    transport: str, role: str, spool: Path, mode: str, storage: Path, corrupter: bool
 ) -> dict[str, Any]:
-    """``node``: the name kvwatch gives this server as a peer (every server of the bed runs on
-    one host: each gets its own); ``records``: vLLM's block allocations go there."""
-    extra = {"node": node} if node else {}
-    children = [kvwatch_child(role, spool, mode, extra | (kvwatch_extra or {}))]
-    if records is not None:
-        children.append(
-            {
-                "kv_connector": "BlockRecorder",
-                "kv_connector_module_path": "tests.vllm_pd.recorder",
-                "kv_role": role,
-                "kv_connector_extra_config": {"path": str(records)},
-            }
-        )
+    children = [kvwatch_child(role, spool, mode)]
     if corrupter and transport == "nixl":
         # After kvwatch (which seals in wait_for_save), before the transport reads the blocks.
         children.append(
@@ -122,7 +90,7 @@ def transfer_config(
                 "kv_role": role,
             }
         )
-    children.append(transport_child(transport, role, storage, lease_s))
+    children.append(transport_child(transport, role, storage))
     config: dict[str, Any] = {
         "kv_connector": "MultiConnector",
         "kv_role": role,
@@ -144,7 +112,6 @@ class Server:
     port: int = field(default_factory=free_port)
     side_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
-    args: list[str] = field(default_factory=list)  # more of the server's command line
 
     @property
     def url(self) -> str:
@@ -203,7 +170,6 @@ class Server:
         ]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
-        cmd += self.args
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -326,18 +292,8 @@ class Bed:
     decode: dict[str, Server]  # by kvwatch mode
     spools: dict[str, Path]  # by server name
     storage: Path
-    #: The lease case's prefill (NIXL only), and where it records vLLM's block allocations.
-    lease: Server | None = None
-    records: Path | None = None
 
-    def pd(
-        self,
-        decode_mode: str,
-        prompt: str,
-        max_tokens: int,
-        corrupt: bool = False,
-        prefill: Server | None = None,
-    ) -> Reply:
+    def pd(self, decode_mode: str, prompt: str, max_tokens: int, corrupt: bool = False) -> Reply:
         """One request through prefill then decode, as vLLM's disaggregation proxy sends it.
 
         ``corrupt``: one KV byte of the request's first block changes after kvwatch sealed it:
@@ -346,36 +302,22 @@ class Bed:
         """
         xargs = {FLAG: 1} if corrupt and self.transport == "nixl" else None
         stored = set(self.storage.iterdir())
-        sender = prefill or self.prefill
-        expired = self.expiries(sender)
-        params = self.prefill_half(prompt, xargs, prefill)
+        first = self.prefill.complete(prompt, 1, dict(PD_PREFILL_PARAMS), xargs)
+        if first.status_code != 200:
+            raise AssertionError(f"prefill failed {first.status_code}: {first.text[:500]}")
+        params = first.json().get("kv_transfer_params")
+        if params is None:
+            raise AssertionError("prefill returned no kv_transfer_params")
         if corrupt and self.transport == "example":
             new = set(self.storage.iterdir()) - stored
             if len(new) != 1:
                 raise AssertionError(f"expected one new stored prompt, found {len(new)}")
             corrupt_stored(new.pop())
         served = reply(self.decode[decode_mode].complete(prompt, max_tokens, params))
-        if self.expiries(sender) > expired:
+        if EXPIRED_LEASE in self.prefill.log.read_text(errors="replace"):
             # Decode then read blocks prefill had freed: a transport stall, not a KV finding.
-            raise AssertionError(f"{EXPIRED_LEASE} on {sender.name}: decode read freed blocks")
+            raise AssertionError(f"{EXPIRED_LEASE} on prefill: decode read freed blocks")
         return served
-
-    @staticmethod
-    def expiries(server: Server) -> int:
-        """NIXL's lease expiries the server has logged so far."""
-        return server.log.read_text(errors="replace").count(EXPIRED_LEASE)
-
-    def prefill_half(
-        self, prompt: str, xargs: dict[str, Any] | None = None, prefill: Server | None = None
-    ) -> dict[str, Any]:
-        """The proxy's first half: prefill with ``max_tokens=1``; its kv_transfer_params."""
-        first = (prefill or self.prefill).complete(prompt, 1, dict(PD_PREFILL_PARAMS), xargs)
-        if first.status_code != 200:
-            raise AssertionError(f"prefill failed {first.status_code}: {first.text[:500]}")
-        params = first.json().get("kv_transfer_params")
-        if params is None:
-            raise AssertionError("prefill returned no kv_transfer_params")
-        return dict(params)
 
     def connect(self, attempts: int = 3) -> None:
         """One PD request to each decode server before any test: NIXL's handshake and UCX's
@@ -383,21 +325,16 @@ class Bed:
         ``RCVTIMEO``), which a loaded 2-core machine can miss; the request then fails before
         any KV moves, and the next one handshakes anew. A failed handshake must not make a
         kvwatch finding: the tests' zero-findings checks read these requests' records too."""
-        prefills = [self.prefill] + ([self.lease] if self.lease is not None else [])
         for mode in self.decode:
-            for prefill in prefills:
-                for attempt in range(1, attempts + 1):
-                    try:
-                        words = f"connect {prefill.name} {mode} " + " ".join(WARM_WORDS)
-                        served = self.pd(mode, words, 2, prefill=prefill)
-                    except AssertionError as e:
-                        served = Reply(0, None, None, str(e)[:500])
-                    if served.status == 200:
-                        break
-                    if attempt == attempts:
-                        raise AssertionError(
-                            f"decode-{mode} never reached {prefill.name}: {served.body}"
-                        )
+            for attempt in range(1, attempts + 1):
+                try:
+                    served = self.pd(mode, f"connect {mode} " + " ".join(WARM_WORDS), 2)
+                except AssertionError as e:
+                    served = Reply(0, None, None, str(e)[:500])
+                if served.status == 200:
+                    break
+                if attempt == attempts:
+                    raise AssertionError(f"decode-{mode} never reached prefill: {served.body}")
 
     def single(self, prompt: str, max_tokens: int) -> Reply:
         """The same prompt served by one engine, no PD: the reference output."""
@@ -446,19 +383,16 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
     """Start prefill + decode(log) + decode(enforce) with kvwatch beside ``transport``."""
     storage = workdir / "kv-storage"
     storage.mkdir(parents=True, exist_ok=True)
-    names = ["prefill", "decode-log", "decode-enforce"]
-    if transport == "nixl":
-        names.append("prefill-lease")
-    spools = {name: workdir / f"spool-{name}" for name in names}
+    spools = {
+        name: workdir / f"spool-{name}" for name in ("prefill", "decode-log", "decode-enforce")
+    }
     for path in spools.values():
         path.mkdir(exist_ok=True)
     prefill = Server(
         "prefill",
         model,
         workdir,
-        transfer_config(
-            transport, "kv_producer", spools["prefill"], "enforce", storage, True, node="prefill"
-        ),
+        transfer_config(transport, "kv_producer", spools["prefill"], "enforce", storage, True),
     )
     decode = {
         mode: Server(
@@ -466,40 +400,12 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
             model,
             workdir,
             transfer_config(
-                transport,
-                "kv_consumer",
-                spools[f"decode-{mode}"],
-                mode,
-                storage,
-                False,
-                node=f"decode-{mode}",
+                transport, "kv_consumer", spools[f"decode-{mode}"], mode, storage, False
             ),
         )
         for mode in ("log", "enforce")
     }
     servers = [prefill, *decode.values()]
-    lease, records = None, None
-    if transport == "nixl":
-        records = workdir / "prefill-lease-blocks.jsonl"
-        lease = Server(
-            "prefill-lease",
-            model,
-            workdir,
-            transfer_config(
-                transport,
-                "kv_producer",
-                spools["prefill-lease"],
-                "enforce",
-                storage,
-                False,
-                node="prefill-lease",
-                lease_s=SHORT_LEASE_S,
-                kvwatch_extra={"freed_watch_s": FREED_WATCH_S},
-                records=records,
-            ),
-            args=["--num-gpu-blocks-override", str(LEASE_POOL_BLOCKS)],
-        )
-        servers.append(lease)
     with ExitStack() as stack:
         stack.callback(stop_all, servers)
         for server in servers:
@@ -507,9 +413,7 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in servers:
             server.wait_ready(deadline)
-        # Side traffic on every server but the lease case's prefill, whose block allocations
-        # its test reads.
-        stack.enter_context(Ticker([s for s in servers if s is not lease]))
-        bed = Bed(transport, prefill, decode, spools, storage, lease, records)
+        stack.enter_context(Ticker(servers))
+        bed = Bed(transport, prefill, decode, spools, storage)
         bed.connect()
         yield bed
