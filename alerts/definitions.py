@@ -1,7 +1,7 @@
 """The alert and recording rules, for the generators: defined once in :mod:`kvwatch.alerting.rules`.
 
 They live in the daemon's package because the daemon posts some of the alerts to Alertmanager
-itself (:mod:`kvwatch.alerting.pager`), and the wheel ships ``kvwatch`` but not this folder.
+itself (:mod:`kvwatch.alerting.evaluate`), and the wheel ships ``kvwatch`` but not this folder.
 """
 
 from kvwatch.alerting.rules import (

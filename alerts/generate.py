@@ -20,7 +20,6 @@ every element its expression returns (A returning nothing is "no data", mapped t
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from alerts import definitions as d
-from kvwatch.assets import write_or_check
+from kvwatch.assets import generator_main
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_RULES = Path("alerts/kvwatch.rules.yml")
@@ -321,20 +320,14 @@ def render() -> dict[Path, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False, prog="python -m alerts.generate", description=__doc__
+    return generator_main(
+        argv,
+        prog="python -m alerts.generate",
+        description=__doc__,
+        render=render,
+        root=REPO,
+        stale="stale generated file(s)",
     )
-    parser.add_argument("--root", type=Path, default=REPO, help="repository root to write under")
-    parser.add_argument("--check", action="store_true", help="compare instead of writing")
-    args = parser.parse_args(argv)
-    stale = write_or_check(args.root, render(), check=args.check)
-    if stale:
-        print(
-            "stale generated file(s): " + ", ".join(stale) + "; run `python -m alerts.generate`",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DashboardLinkType,
     DataSourceRef,
     DataTransformerConfig,
     Threshold,
@@ -36,6 +38,35 @@ GREEN_ORANGE_RED = [
     Threshold(value=1, color="orange"),
     Threshold(value=2, color="red"),
 ]
+
+
+def skeleton(
+    title: str, uid: str, description: str, *, since: str, one_node: bool
+) -> dash.Dashboard:
+    """A kvwatch dashboard before its panels: the time range back to ``since``, the data source,
+    node (one or many) and role variables, and the dropdown linking the kvwatch dashboards."""
+    return (
+        dash.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["kvwatch", "kv-cache", "llm-serving"])
+        .editable()
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .time(since, "now")
+        .refresh("30s")
+        .timezone("browser")
+        .with_variable(datasource_variable())
+        .with_variable(node_variable(multi=not one_node))
+        .with_variable(role_variable(ONE_NODE if one_node else NODES))
+        .link(
+            dash.DashboardLink("kvwatch dashboards")
+            .type(DashboardLinkType.DASHBOARDS)
+            .tags(["kvwatch"])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+        )
+    )
 
 
 def datasource_variable() -> dash.DatasourceVariable:

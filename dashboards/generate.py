@@ -9,7 +9,6 @@ directory; ``kvwatch dashboards push`` uploads them through the HTTP API.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 from dashboards import node, overview
-from kvwatch.assets import write_or_check
+from kvwatch.assets import generator_main
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS: dict[str, Callable[[], dash.Dashboard]] = {
@@ -43,20 +42,14 @@ def render() -> dict[Path, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False, prog="python -m dashboards.generate", description=__doc__
+    return generator_main(
+        argv,
+        prog="python -m dashboards.generate",
+        description=__doc__,
+        render=render,
+        root=REPO,
+        stale="stale dashboard JSON",
     )
-    parser.add_argument("--root", type=Path, default=REPO, help="repository root to write under")
-    parser.add_argument("--check", action="store_true", help="compare instead of writing")
-    args = parser.parse_args(argv)
-    stale = write_or_check(args.root, render(), check=args.check)
-    if stale:
-        print(
-            "stale dashboard JSON: " + ", ".join(stale) + "; run `python -m dashboards.generate`",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

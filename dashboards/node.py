@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.models.dashboard import (
-    DashboardCursorSync,
-    DashboardLinkType,
     Threshold,
 )
 
@@ -14,12 +12,10 @@ from dashboards.common import (
     ONE_NODE,
     ONE_NODE_ROLE,
     Ids,
-    datasource_variable,
     instant_table_query,
-    node_variable,
     query,
-    role_variable,
     row,
+    skeleton,
     stat_panel,
     table_panel,
     timeseries_panel,
@@ -32,30 +28,13 @@ TITLE = "kvwatch / Node"
 
 def build() -> dash.Dashboard:
     ids = Ids()
-    board = (
-        dash.Dashboard(TITLE)
-        .uid(UID)
-        .description(
-            "One serving node: its engines and their KV pools, the detectors' findings and "
-            "coverage, GPU memory (NVML) and the kvwatch daemon."
-        )
-        .tags(["kvwatch", "kv-cache", "llm-serving"])
-        .editable()
-        .tooltip(DashboardCursorSync.CROSSHAIR)
-        .time("now-3h", "now")
-        .refresh("30s")
-        .timezone("browser")
-        .with_variable(datasource_variable())
-        .with_variable(node_variable(multi=False))
-        .with_variable(role_variable(ONE_NODE))
-        .link(
-            dash.DashboardLink("kvwatch dashboards")
-            .type(DashboardLinkType.DASHBOARDS)
-            .tags(["kvwatch"])
-            .as_dropdown(True)
-            .include_vars(True)
-            .keep_time(True)
-        )
+    board = skeleton(
+        TITLE,
+        UID,
+        "One serving node: its engines and their KV pools, the detectors' findings and "
+        "coverage, GPU memory (NVML) and the kvwatch daemon.",
+        since="now-3h",
+        one_node=True,
     )
 
     board = board.with_row(row(ids, "Integrity on $node"))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.models.dashboard import (
-    DashboardCursorSync,
-    DashboardLinkType,
     DynamicConfigValue,
     Threshold,
 )
@@ -17,12 +15,10 @@ from dashboards.common import (
     NODE_ROLE,
     NODES,
     Ids,
-    datasource_variable,
     instant_table_query,
-    node_variable,
     query,
-    role_variable,
     row,
+    skeleton,
     stat_panel,
     table_panel,
     timeseries_panel,
@@ -47,31 +43,14 @@ def _coverage(by: str) -> str:
 
 def build() -> dash.Dashboard:
     ids = Ids()
-    board = (
-        dash.Dashboard(TITLE)
-        .uid(UID)
-        .description(
-            "KV-cache integrity across a prefill/decode deployment: mismatches, verification "
-            "coverage, the pool-versus-context band, engine releases, the hooks' own cost and "
-            "the kvwatch daemons' health."
-        )
-        .tags(["kvwatch", "kv-cache", "llm-serving"])
-        .editable()
-        .tooltip(DashboardCursorSync.CROSSHAIR)
-        .time("now-6h", "now")
-        .refresh("30s")
-        .timezone("browser")
-        .with_variable(datasource_variable())
-        .with_variable(node_variable(multi=True))
-        .with_variable(role_variable(NODES))
-        .link(
-            dash.DashboardLink("kvwatch dashboards")
-            .type(DashboardLinkType.DASHBOARDS)
-            .tags(["kvwatch"])
-            .as_dropdown(True)
-            .include_vars(True)
-            .keep_time(True)
-        )
+    board = skeleton(
+        TITLE,
+        UID,
+        "KV-cache integrity across a prefill/decode deployment: mismatches, verification "
+        "coverage, the pool-versus-context band, engine releases, the hooks' own cost and "
+        "the kvwatch daemons' health.",
+        since="now-6h",
+        one_node=False,
     )
 
     board = board.with_row(row(ids, "Integrity"))

@@ -166,6 +166,33 @@ POST_RESULT: Final = Label(
         "dropped": "the queue to that Alertmanager was full: the oldest batch was dropped",
     },
 )
+#: Why a line of a watched engine log was not read (``kvwatch_log_errors_total{reason}``).
+LOG_ERROR_REASON: Final = Label(
+    "reason",
+    {
+        "unparsed": "a line naming a field the parser reads, in a form it cannot read",
+        "encoding": "bytes that are not UTF-8",
+        "long_line": "a line longer than the parser reads, skipped",
+        "read_error": "the file could not be opened, statted or read",
+    },
+)
+#: The daemon's sources, each with its own success metric
+#: (``kvwatch_collector_success{collector}``, ``kvwatch_collector_duration_seconds``).
+COLLECTOR: Final = Label(
+    "collector",
+    {
+        "spool": "the spool poll (every segment read, the journal commit)",
+        "logs": "the engine logs watched",
+        "nvml": "GPU memory from NVML, read at scrape time",
+        "journal": "the journal's pruning",
+        "incidents_log": "the incidents log's writes",
+    },
+)
+#: ``kvwatch_gpu_memory_bytes{state}``, in NVML's order.
+GPU_STATE: Final = Label(
+    "state",
+    {"total": "the GPU's memory", "used": "allocated", "free": "not allocated"},
+)
 MODES: Final = frozenset({"off", "log", "enforce"})
 ACTIONS: Final = frozenset({"logged", "enforced"})
 

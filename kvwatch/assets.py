@@ -6,8 +6,10 @@ keeps the one copy at the repository's top level, where the generators write the
 
 from __future__ import annotations
 
+import argparse
 import shutil
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -104,3 +106,25 @@ def write_or_check(root: Path, files: Mapping[Any, str], *, check: bool) -> list
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
     return stale
+
+
+def generator_main(
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str | None,
+    render: Callable[[], Mapping[Any, str]],
+    root: Path,
+    stale: str,
+) -> int:
+    """A generator's command line: write what ``render`` returns under ``--root``, or with
+    ``--check`` exit 1 naming the ``stale`` files that differ from it."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=description)
+    parser.add_argument("--root", type=Path, default=root, help="repository root to write under")
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    differing = write_or_check(args.root, render(), check=args.check)
+    if differing:
+        print(f"{stale}: " + ", ".join(differing) + f"; run `{prog}`", file=sys.stderr)
+        return 1
+    return 0

@@ -2,7 +2,8 @@
 
 Every setting, with what it does and its default, is in the example ``deploy/kvwatch.toml``
 (``kvwatch export deploy``): commented out where the default applies. The fast path to the pager
-(``node``, ``alertmanager_*``, ``prometheus_scrape_interval``) is :mod:`kvwatch.alerting.pager`'s.
+(``node``, ``alertmanager_*``, ``prometheus_scrape_interval``) is :mod:`kvwatch.alerting.evaluate`'s
+and :mod:`kvwatch.alerting.notify`'s.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from kvwatch import __version__
-from kvwatch.alerting.pager import Pager
+from kvwatch.alerting.evaluate import Evaluator
+from kvwatch.alerting.notify import Notifier
 from kvwatch.config import Config, ConfigError, parse_listen
 from kvwatch.expose.http import make_app, serve_wsgi
 from kvwatch.expose.metrics import KvwatchCollector
@@ -220,12 +221,14 @@ class Daemon:
         self._failures = 0
 
     def _outputs(self, config: Config) -> None:
-        """state -> the pager (the fast path to Alertmanager, on the same samples /metrics
-        serves) and state + NVML (read at scrape time) -> /metrics."""
-        self.pager = Pager(config, self.state, KvwatchCollector(self.state).collect)
+        """state + NVML (read at scrape time) -> the collector -> /metrics; the collector's
+        state families -> the evaluator -> the notifier -> every Alertmanager (the fast path)."""
+        self.notifier = Notifier(config, self.state)  # first: a bad CA file fails the start
         self.nvml = Nvml(config.nvml)
+        collector = KvwatchCollector(self.state, self.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(KvwatchCollector(self.state, self.nvml))
+        self.registry.register(collector)
+        self.evaluator = Evaluator(config, self.state, collector.state_families, self.notifier.send)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
 
@@ -275,7 +278,12 @@ class Daemon:
             logs=[log.path for log in self.config.logs],
             nvml=self.nvml.up,
         )
-        self.pager.start()
+        if self.notifier.enabled:
+            self.evaluator.start()
+            self.notifier.start()
+            self.log.info(
+                "pager.started", alertmanagers=self.notifier.urls, node=self.config.node_name
+            )
         try:
             while not self.stop.is_set():
                 more = self.run_once()
@@ -314,7 +322,8 @@ class Daemon:
                 self.log.info("daemon.stopping", signal=name)
 
     def close(self) -> None:
-        self.pager.close()
+        self.evaluator.close()
+        self.notifier.close()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -361,7 +370,7 @@ class Daemon:
             self._failures += 1
             self.log.error("spool.poll_failed", error=str(exc), error_type=type(exc).__name__)
         self._done("spool", ok, started)
-        self.pager.wake()
+        self.evaluator.wake()
         if self.logs.watched:
             started = time.perf_counter()
             try:

@@ -13,9 +13,6 @@ from kvspool.catalogue import HOOKED_DETECTORS
 
 logger = logging.getLogger("kvwatch.sglang")
 
-#: Detector names a per-detector override may name: ``KVWATCH_MODE_CANARY=enforce``.
-DETECTORS = HOOKED_DETECTORS
-
 
 @dataclass(frozen=True, slots=True)
 class Settings:
@@ -48,9 +45,10 @@ def _mode(text: str, default: Mode) -> Mode:
 def from_env(environ: dict[str, str] | None = None) -> Settings:
     env = dict(os.environ if environ is None else environ)
     mode = _mode(env.get("KVWATCH_MODE", "log"), Mode.LOG)
+    # A per-detector override names a hooked detector: ``KVWATCH_MODE_CANARY=enforce``.
     per = {
         name: _mode(env[f"KVWATCH_MODE_{name.upper()}"], mode)
-        for name in DETECTORS
+        for name in HOOKED_DETECTORS
         if f"KVWATCH_MODE_{name.upper()}" in env
     }
     try:

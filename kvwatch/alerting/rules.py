@@ -4,7 +4,7 @@ Both ``alerts/kvwatch.rules.yml`` (Prometheus) and ``alerts/grafana/kvwatch-aler
 (Grafana-managed alerting) are generated from this module by ``python -m alerts.generate``; a test
 regenerates both and fails on any difference, and another proves the two sets hold the same alerts.
 It lives in the daemon's package because the daemon's fast path to Alertmanager
-(:mod:`kvwatch.alerting.pager`) posts the alerts marked :attr:`Alert.increase` itself, with the
+(:mod:`kvwatch.alerting.evaluate`) posts the alerts marked :attr:`Alert.increase` itself, with the
 labels and
 annotations their rule produces; ``alerts.definitions`` re-exports it for the generators.
 
@@ -100,7 +100,7 @@ class Context:
     grew over ``window`` where its ``by`` labels are the alert's, written ``{{ <name> }}`` in the
     description. Prometheus runs it with the ``query`` template function; Grafana runs it as one
     more query of the rule (``$values.<ref>``), summed by ``by``; the daemon's fast path
-    (:mod:`kvwatch.alerting.pager`) from its own samples."""
+    (:mod:`kvwatch.alerting.evaluate`) from its own samples."""
 
     name: str
     #: The catalogued family without ``kvwatch_`` (:func:`kvspool.catalogue.exposed`).

@@ -34,11 +34,6 @@ def _family(name: str, value: float | None = None) -> CounterMetricFamily | Gaug
     return kind(family.name, family.help, labels=list(family.labels))
 
 
-LOG_ERROR_REASONS: Final = ("unparsed", "encoding", "long_line", "read_error")
-COLLECTORS: Final = ("spool", "logs", "nvml", "journal", "incidents_log")
-GPU_STATES: Final = ("total", "used", "free")
-
-
 class GpuSource(Protocol):
     """Where GPU memory comes from: NVML in production."""
 
@@ -75,8 +70,8 @@ class KvwatchCollector(Collector):
             except Exception:
                 gpu_ok = False
         gpu_seconds = time.perf_counter() - started
+        families = self.state_families()
         with self.state.lock:
-            families = list(self._families())
             collectors = dict(self.state.collectors)
         if self.gpus is not None:
             # No NVIDIA GPU is not a failure (kvwatch_nvml_up says it); a failed query is.
@@ -85,13 +80,19 @@ class KvwatchCollector(Collector):
         yield from self._gpu_families(gpu_rows)
         success = _family("kvwatch_collector_success")
         duration = _family("kvwatch_collector_duration_seconds")
-        for name in COLLECTORS:
+        for name in catalogue.COLLECTOR.values:
             # Not configured, or not run yet: nothing failed.
             ok, seconds = collectors.get(name, (True, 0.0))
             success.add_metric([name], 1.0 if ok else 0.0)
             duration.add_metric([name], seconds)
         yield success
         yield duration
+
+    def state_families(self) -> list[Metric]:
+        """The families rendered from the daemon's state (all but NVML's and the collectors'
+        success): what /metrics serves, and what the fast path's alerts are evaluated on."""
+        with self.state.lock:
+            return list(self._families())
 
     # -- families -----------------------------------------------------------------------------
 
@@ -168,7 +169,7 @@ class KvwatchCollector(Collector):
             value=state.log_counts.get(("lines", ()), 0.0),
         )
         errors = _family("kvwatch_log_errors")
-        for reason in LOG_ERROR_REASONS:
+        for reason in catalogue.LOG_ERROR_REASON.values:
             errors.add_metric([reason], state.log_counts.get(("errors", (reason,)), 0.0))
         yield errors
         posts = _family("kvwatch_alertmanager_posts")
@@ -201,12 +202,12 @@ class KvwatchCollector(Collector):
         yield _family("kvwatch_nvml_up", value=1.0 if up else 0.0)
         memory = _family("kvwatch_gpu_memory_bytes")
         for gpu, total, used, free in rows:
-            for state, value in zip(GPU_STATES, (total, used, free), strict=True):
+            for state, value in zip(catalogue.GPU_STATE.values, (total, used, free), strict=True):
                 memory.add_metric([gpu, state], float(value))
         yield memory
 
 
-__all__ = ["COLLECTORS", "GpuSource", "KvwatchCollector"]
+__all__ = ["GpuSource", "KvwatchCollector"]
 
 
 def engine_views(

@@ -28,12 +28,12 @@ from demo.stack import WebhookReceiver, free_port, http_json
 from kvspool import catalogue
 from kvspool.writer import SpoolWriter
 from kvwatch import config as configuration
-from kvwatch.alerting import pager as pager_module
-from kvwatch.alerting.pager import (
+from kvwatch.alerting import evaluate as pager_module
+from kvwatch.alerting import notify
+from kvwatch.alerting.evaluate import (
     ENDS_AT_RESENDS,
-    MAX_BATCH_AGE,
     TICK,
-    Pager,
+    Evaluator,
     alert_annotations,
     alert_labels,
     counter_labels,
@@ -41,6 +41,7 @@ from kvwatch.alerting.pager import (
     kept_labels,
     render,
 )
+from kvwatch.alerting.notify import MAX_BATCH_AGE, Notifier
 from kvwatch.alerting.rules import Alert, Increase
 from kvwatch.store.state import State
 from tests.alerts.tooling import ALERTS, run, tool
@@ -212,8 +213,8 @@ class Counters:
         return [family]
 
 
-def _pager(counters: Counters, **settings: object) -> Pager:
-    config = configuration.from_mapping(
+def _config(**settings: object) -> configuration.Config:
+    return configuration.from_mapping(
         {
             "node": "n1",
             "alertmanager_urls": ["http://127.0.0.1:1"],
@@ -221,7 +222,14 @@ def _pager(counters: Counters, **settings: object) -> Pager:
             **settings,
         }
     )
-    return Pager(config, counters.state, counters.collect)
+
+
+def _pager(counters: Counters, **settings: object) -> Evaluator:
+    return Evaluator(_config(**settings), counters.state, counters.collect)
+
+
+def _notifier(counters: Counters, **settings: object) -> Notifier:
+    return Notifier(_config(**settings), counters.state)
 
 
 def test_fire_resend_quiet_resolve_like_prometheus() -> None:
@@ -318,7 +326,7 @@ def test_without_a_new_record_nothing_is_rendered() -> None:
         calls.append(1)
         return counters.collect()
 
-    pager = Pager(
+    pager = Evaluator(
         configuration.from_mapping({"alertmanager_urls": ["http://a:1"]}), counters.state, source
     )
     pager.evaluate(0.0)
@@ -364,22 +372,24 @@ def test_bad_settings_are_one_line_errors(settings: dict[str, Any], message: str
 def test_disabled_or_without_urls_it_posts_nothing() -> None:
     counters = Counters()
     for settings in ({"alertmanager_enabled": False}, {"alertmanager_urls": []}):
-        pager = _pager(counters, **settings)
-        assert not pager.enabled
-        pager.start()  # starts no thread
-        assert pager._threads == []
+        notifier = _notifier(counters, **settings)
+        assert not notifier.enabled
+        notifier.start()  # starts no thread
+        assert notifier._threads == []
 
 
 def test_basic_auth_needs_a_readable_password_file(tmp_path: Path) -> None:
     counters = Counters()
     with pytest.raises(configuration.ConfigError, match="needs alertmanager_password_file"):
-        _pager(counters, alertmanager_username="kv")
+        _notifier(counters, alertmanager_username="kv")
     with pytest.raises(configuration.ConfigError, match="cannot read it"):
-        _pager(counters, alertmanager_username="kv", alertmanager_password_file=str(tmp_path))
+        _notifier(counters, alertmanager_username="kv", alertmanager_password_file=str(tmp_path))
     secret = tmp_path / "pw"
     secret.write_text("s3cret\n")
-    pager = _pager(counters, alertmanager_username="kv", alertmanager_password_file=str(secret))
-    assert pager._headers["Authorization"] == "Basic a3Y6czNjcmV0"
+    notifier = _notifier(
+        counters, alertmanager_username="kv", alertmanager_password_file=str(secret)
+    )
+    assert notifier._headers["Authorization"] == "Basic a3Y6czNjcmV0"
 
 
 # -- sending, over real HTTP ----------------------------------------------------------------------
@@ -422,8 +432,10 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
             "alertmanager_timeout": "20s",
         }
     )
-    pager = Pager(config, state, counters.collect)
+    notifier = Notifier(config, state)
+    pager = Evaluator(config, state, counters.collect, notifier.send)
     pager.start()
+    notifier.start()
     try:
         counters.set(1)
         pager.wake()
@@ -434,7 +446,7 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
         # A batch that waited longer than MAX_BATCH_AGE is not sent (it could re-open an alert
         # Prometheus resolved meanwhile), only counted.
         stale = (time.monotonic() - MAX_BATCH_AGE - 1, received[0][1])
-        pager._queues[0].put(stale)
+        notifier._queues[0].put(stale)
         _wait(
             "the stale batch dropped",
             lambda: state.daemon.get(("alertmanager_posts", ("dropped",))),
@@ -443,18 +455,17 @@ def test_posts_every_alertmanager_counts_failures_and_drops_the_oldest_when_full
         assert len(received) == 2
         assert received[0][1][0]["labels"]["alertname"] == "KVIntegrityMismatch"
         # The stalled server holds its sender; more batches than the queue holds pile up.
-        for i in range(pager_module.QUEUE_BATCHES + 5):
+        for i in range(notify.QUEUE_BATCHES + 5):
             counters.set(2 + i)
             for tracker in pager.trackers.values():
                 tracker.last_sent = 0.0  # due again at once
             batch = pager.evaluate(time.time())
             assert batch
-            for batches in pager._queues:
-                if pager_module._put_dropping_oldest(batches, (time.monotonic(), batch)):
-                    pager._count("dropped")
+            notifier.send(batch)
     finally:
         release.set()
         pager.close()
+        notifier.close()
         live.shutdown()
         stalled.shutdown()
     posts = {k[1][0]: v for k, v in state.daemon.items() if k[0] == "alertmanager_posts"}
@@ -721,10 +732,11 @@ def test_posts_over_tls_with_basic_auth_to_a_real_alertmanager(tmp_path: Path) -
             "alertmanager_username": "kv",
         }
         counters = Counters()
-        good = _pager(counters, **settings, alertmanager_password_file=str(right))
-        good.evaluate(0.0)
+        pager = _pager(counters, **settings)
+        pager.evaluate(0.0)
         counters.set(1)
-        [alert] = good.evaluate(time.time())
+        [alert] = pager.evaluate(time.time())
+        good = _notifier(counters, **settings, alertmanager_password_file=str(right))
         deadline = time.monotonic() + 30
         while True:  # until Alertmanager answers over TLS
             try:
@@ -735,7 +747,7 @@ def test_posts_over_tls_with_basic_auth_to_a_real_alertmanager(tmp_path: Path) -
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        bad = _pager(counters, **settings, alertmanager_password_file=str(wrong))
+        bad = _notifier(counters, **settings, alertmanager_password_file=str(wrong))
         with pytest.raises(urllib.error.HTTPError, match="401"):
             bad.post(url, [alert])
         request = urllib.request.Request(
@@ -746,13 +758,16 @@ def test_posts_over_tls_with_basic_auth_to_a_real_alertmanager(tmp_path: Path) -
         assert [a["labels"] for a in held] == [alert["labels"]]
         # Through the sender thread: the refusal is counted, not raised.
         bad.start()
+        paging = Evaluator(_config(**settings), counters.state, counters.collect, bad.send)
+        paging.start()
         counters.set(2)
-        bad.wake()
+        paging.wake()
         _wait(
             "a failed post",
             lambda: bad.state.daemon.get(("alertmanager_posts", ("failed",))),
             15,
         )
+        paging.close()
         bad.close()
     finally:
         am.terminate()

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from kvspool import catalogue, schema
-from kvwatch.expose.metrics import LOG_ERROR_REASONS
 from tests.kvwatch.writer import spool_module
 from tests.reliability.tools import DaemonProcess, metric, rss_kib, series, wait_for
 
@@ -39,7 +38,7 @@ FIXED = {
         *catalogue.DROP_REASON.values,
         *catalogue.REJECT_REASON.values,
         *catalogue.IGNORED_REASON.values,
-        *LOG_ERROR_REASONS,
+        *catalogue.LOG_ERROR_REASON.values,
     }
 }
 

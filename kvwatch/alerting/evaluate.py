@@ -1,15 +1,16 @@
-"""The fast path to the pager: the daemon posts its counter alerts to Alertmanager itself.
+"""The fast path's evaluation: the counter alerts' conditions on the samples /metrics serves.
 
 Prometheus pages after scrape + evaluation + ``group_wait`` (about 41 s at worst with production
 intervals, ``alerts/runbook.md``). The daemon knows of a mismatch the moment it reads the spool,
 so for every alert of :mod:`kvwatch.alerting.rules` whose condition is a counter's increase
-(:attr:`kvwatch.alerting.rules.Alert.increase`)
-it evaluates that condition on its own ``/metrics`` samples
-and posts the alert to every configured Alertmanager (``POST /api/v2/alerts``, as Prometheus
-sends to all of them and the cluster deduplicates), with exactly the labels the rule gives it:
-``alertname``, the rule's labels, the ``by`` labels of its expression (``node`` from the
-``node`` setting, as Prometheus's target label) and the external labels the operator configures.
-Same labels, same fingerprint: Alertmanager merges the daemon's alert and Prometheus's into one.
+(:attr:`kvwatch.alerting.rules.Alert.increase`) it evaluates that condition on the families
+its one collector renders for ``/metrics``
+(:meth:`kvwatch.expose.metrics.KvwatchCollector.state_families`: no second collector, no text
+round trip) and hands the alerts due to :mod:`kvwatch.alerting.notify`, with exactly the labels
+the rule gives them: ``alertname``, the rule's labels, the ``by`` labels of
+its expression (``node`` from the ``node`` setting, as Prometheus's target label) and the external
+labels the operator configures. Same labels, same fingerprint: Alertmanager merges the daemon's
+alert and Prometheus's into one.
 
 Timing mirrors Prometheus, so the two never flap against each other:
 
@@ -20,27 +21,16 @@ Timing mirrors Prometheus, so the two never flap against each other:
 - resolved: ``window + scrape interval + 2 ticks`` after the last increase (after the rule's last
   firing send) it is sent with ``endsAt = now``, and re-sent with each resend for 15 minutes.
 
-Posting never blocks ingestion: the evaluation runs on its own thread and hands each batch to one
-sender thread per Alertmanager through a bounded queue (the oldest batch is dropped when full);
-every post is counted in ``kvwatch_alertmanager_posts_total{result}``. The Prometheus rule stays
-the path that survives a daemon that cannot reach Alertmanager.
-
-Longer than 450 lines: the templates, the alert state machine and the send loops share the
-timing rules above; apart, each would restate them.
+The evaluation runs on its own thread, woken by each spool poll; delivery never blocks it. The
+Prometheus rule stays the path that survives a daemon that cannot reach Alertmanager.
 """
 
 from __future__ import annotations
 
-import base64
 import datetime
-import json
-import queue
 import re
-import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -50,26 +40,25 @@ import structlog
 from prometheus_client.core import Metric
 
 from kvspool import catalogue
+from kvwatch.alerting.notify import MAX_BATCH_AGE
 from kvwatch.alerting.rules import ALERTS, Alert, Context, Increase
-from kvwatch.config import Config, ConfigError
+from kvwatch.config import Config
 from kvwatch.store.state import State
 
-#: How often the conditions are evaluated when no spool poll wakes the pager.
+#: How often the conditions are evaluated when no spool poll wakes the evaluation.
 TICK: Final = 1.0
-#: The least time between two evaluations (the spool poll may wake the pager many times a second;
+#: The least time between two evaluations (the spool poll may wake it many times a second;
 #: one evaluation renders the daemon's families, about 3 ms, unless no record arrived).
 MIN_SPACING: Final = 0.5
 #: How long a resolved alert is re-sent (Prometheus's resolvedRetention).
 RESOLVED_RETENTION: Final = 15 * 60.0
-#: Batches waiting per Alertmanager; beyond it the oldest is dropped (counted).
-QUEUE_BATCHES: Final = 16
-#: A batch older than this is not sent (the Alertmanager stalled): a firing alert re-sent late
-#: could land after Prometheus resolved it and re-open it.
-MAX_BATCH_AGE: Final = 30.0
 #: Prometheus's endsAt for a firing alert: 4 resend delays ahead.
 ENDS_AT_RESENDS: Final = 4
 
-PATH: Final = "/api/v2/alerts"
+#: One alert as Alertmanager's ``POST /api/v2/alerts`` takes it.
+Posted = dict[str, Any]
+#: (alertname or context name, the kept label values).
+_Key = tuple[str, tuple[str, ...]]
 
 # -- the rule's annotations, rendered as Prometheus renders them ---------------------------------
 
@@ -189,8 +178,6 @@ def growth(samples: deque[tuple[float, float]], now: float, window: float) -> fl
 # -- the condition, per alert and label set ------------------------------------------------------
 
 FIRING, QUIET, RESOLVED = "firing", "quiet", "resolved"
-#: (time.monotonic() when queued, the alerts) for one Alertmanager.
-_Batch = tuple[float, list[dict[str, Any]]]
 
 
 @dataclass
@@ -221,10 +208,11 @@ def _rfc3339(ts: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-class Pager:
-    """Evaluates the counter alerts on the daemon's samples and posts them to Alertmanager.
+class Evaluator:
+    """Evaluates the counter alerts on the daemon's samples; hands the alerts due to ``deliver``.
 
-    ``source`` returns the families the daemon's /metrics serves (the collector's ``collect``).
+    ``source`` returns the families the daemon's /metrics serves (its collector's
+    ``state_families``).
     """
 
     def __init__(
@@ -232,77 +220,47 @@ class Pager:
         config: Config,
         state: State,
         source: Callable[[], Iterable[Metric]],
+        deliver: Callable[[list[Posted]], None] | None = None,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.log = structlog.get_logger("kvwatch.pager")
         self.state = state
         self.source = source
+        self.deliver = deliver
         self.clock = clock
         self.node = config.node_name
         self.external = dict(config.alertmanager_labels)
         self.resend = config.alertmanager_resend
         # The rule resolves at the first evaluation whose window holds no sample from before the
         # last rise: not before (last rise + window - scrape interval), and its last firing send
-        # is before (last rise + window). TICK covers the pager seeing a rise late.
+        # is before (last rise + window). TICK covers the evaluation seeing a rise late.
         self.resolve_after = config.prometheus_scrape_interval + 2 * TICK
         self.quiet_ahead = self.resolve_after + MAX_BATCH_AGE
-        self.timeout = config.alertmanager_timeout
-        self.urls = list(config.alertmanager_urls) if config.alertmanager_enabled else []
         self.alerts = fast_alerts()
         self.families = {catalogue.exposed(a.increase.counter) for a in self.alerts if a.increase}
         #: The alerts' context numbers (:class:`kvwatch.alerting.rules.Context`): their samples, by
         #: (name, kept label values), trimmed to the window.
         self.contexts = {c.name: c for a in self.alerts for c in a.context}
         self.families |= {catalogue.exposed(c.counter) for c in self.contexts.values()}
-        self._context_samples: dict[tuple[str, tuple[str, ...]], deque[tuple[float, float]]] = {}
-        self._headers = {"Content-Type": "application/json"}
-        if config.alertmanager_username:
-            password = _read_password(config.alertmanager_password_file)
-            token = base64.b64encode(f"{config.alertmanager_username}:{password}".encode())
-            self._headers["Authorization"] = "Basic " + token.decode()
-        try:
-            self._tls = ssl.create_default_context(cafile=config.alertmanager_ca_file or None)
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            if isinstance(exc, ssl.SSLError):  # its reason, not a tuple and OpenSSL's source line
-                reason = f"{exc.reason or exc} (not a PEM CA bundle)"
-            else:
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise ConfigError(
-                f"cannot load alertmanager_ca_file {config.alertmanager_ca_file}: {reason}"
-            ) from None
-        self.trackers: dict[tuple[str, tuple[str, ...]], Tracker] = {}
-        self._baseline: dict[tuple[str, tuple[str, ...]], float] | None = None
+        self._context_samples: dict[_Key, deque[tuple[float, float]]] = {}
+        self.trackers: dict[_Key, Tracker] = {}
+        self._baseline: dict[_Key, float] | None = None
         self._seen: tuple[float, float] = (-1.0, -1.0)
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._queues = [queue.Queue[_Batch | None](QUEUE_BATCHES) for _ in self.urls]
-        self._threads: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
         self._last_eval = 0.0
         self._evaluating = threading.Lock()
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.urls)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
         """Take the baseline (the journal's counters, before the first poll: a daemon restart is
-        no increase) and start the threads."""
-        if not self.enabled:
-            return
+        no increase) and start the thread."""
         self.evaluate(self.clock())
-        evaluator = threading.Thread(target=self._run, name="kvwatch-pager", daemon=True)
-        self._threads.append(evaluator)
-        for url, batches in zip(self.urls, self._queues, strict=True):
-            sender = threading.Thread(
-                target=self._send_loop, args=(url, batches), name="kvwatch-pager-send", daemon=True
-            )
-            self._threads.append(sender)
-        for thread in self._threads:
-            thread.start()
-        self.log.info("pager.started", alertmanagers=self.urls, node=self.node)
+        self._thread = threading.Thread(target=self._run, name="kvwatch-pager", daemon=True)
+        self._thread.start()
 
     def wake(self) -> None:
         """The spool was polled: evaluate soon (never blocks)."""
@@ -311,14 +269,9 @@ class Pager:
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self._wake.set()
-        for batches in self._queues:
-            _put_dropping_oldest(batches, None)
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self._threads = []
-
-    # -- evaluation ---------------------------------------------------------------------------
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -337,12 +290,12 @@ class Pager:
                     "pager.evaluate_failed", error=str(exc), error_type=type(exc).__name__
                 )
                 continue
-            if batch:
-                for batches in self._queues:
-                    if _put_dropping_oldest(batches, (time.monotonic(), batch)):
-                        self._count("dropped")
+            if batch and self.deliver is not None:
+                self.deliver(batch)
 
-    def totals(self) -> dict[tuple[str, tuple[str, ...]], float]:
+    # -- the samples --------------------------------------------------------------------------
+
+    def totals(self) -> dict[_Key, float]:
         """Each counter alert's ``sum by`` over the daemon's samples: (alertname, by-values)."""
         return self._sums(self._samples())[0]
 
@@ -356,12 +309,12 @@ class Pager:
 
     def _sums(
         self, samples: dict[str, list[tuple[dict[str, str], float]]]
-    ) -> tuple[dict[tuple[str, tuple[str, ...]], float], dict[tuple[str, tuple[str, ...]], float]]:
+    ) -> tuple[dict[_Key, float], dict[_Key, float]]:
         """The alerts' sums (:meth:`totals`) and the contexts' sums, by (name, kept values)."""
-        out: dict[tuple[str, tuple[str, ...]], float] = {}
-        sources: list[tuple[str, Increase | Context, dict[tuple[str, tuple[str, ...]], float]]]
+        out: dict[_Key, float] = {}
+        sources: list[tuple[str, Increase | Context, dict[_Key, float]]]
         sources = [(a.name, a.increase, out) for a in self.alerts if a.increase is not None]
-        contexts: dict[tuple[str, tuple[str, ...]], float] = {}
+        contexts: dict[_Key, float] = {}
         sources += [(name, c, contexts) for name, c in self.contexts.items()]
         for name, summed, into in sources:
             kept = kept_labels(summed)
@@ -370,7 +323,7 @@ class Pager:
                 into[key] = into.get(key, 0.0) + value
         return out, contexts
 
-    def _note_contexts(self, now: float, sums: dict[tuple[str, tuple[str, ...]], float]) -> None:
+    def _note_contexts(self, now: float, sums: dict[_Key, float]) -> None:
         for key, value in sums.items():
             samples = self._context_samples.setdefault(key, deque())
             if not samples or samples[-1][1] != value:
@@ -389,7 +342,9 @@ class Pager:
             out[context.name] = growth(samples, now, context.window_seconds)
         return out
 
-    def evaluate(self, now: float) -> list[dict[str, Any]]:
+    # -- the state machine --------------------------------------------------------------------
+
+    def evaluate(self, now: float) -> list[Posted]:
         """Update every tracker from the samples at ``now``; the alerts due to be posted."""
         with self._evaluating:
             return self._evaluate(now)
@@ -403,7 +358,7 @@ class Pager:
                 ("spool_lost_records", ()), 0.0
             )
 
-    def _evaluate(self, now: float) -> list[dict[str, Any]]:
+    def _evaluate(self, now: float) -> list[Posted]:
         changes = self._changes()
         if self._baseline is not None and not self.trackers and changes == self._seen:
             return []  # nothing read, nothing firing: skip rendering the families (about 3 ms)
@@ -413,10 +368,25 @@ class Pager:
         if self._baseline is None:
             self._baseline = totals
             return []
+        self._note_rises(now, totals, self._baseline)
+        due = []
+        for key, tracker in list(self.trackers.items()):
+            if tracker.phase == RESOLVED and now >= tracker.resolved_at + RESOLVED_RETENTION:
+                del self.trackers[key]
+                self._baseline[key] = tracker.last_value
+                continue
+            post = self._step(tracker, now)
+            if post is not None:
+                due.append(post)
+        return due
+
+    def _note_rises(
+        self, now: float, totals: dict[_Key, float], baseline: dict[_Key, float]
+    ) -> None:
         by_name = {a.name: a for a in self.alerts}
         for key, value in totals.items():
             tracker = self.trackers.get(key)
-            before = tracker.last_value if tracker else self._baseline.get(key, 0.0)
+            before = tracker.last_value if tracker else baseline.get(key, 0.0)
             # A counter that went down was reset: Prometheus's increase counts the new value.
             rise = value - before if value >= before else value
             if tracker is None:
@@ -431,18 +401,8 @@ class Pager:
             if rise > 0:
                 tracker.rises.append((now, rise))
                 tracker.last_rise = now
-        due = []
-        for key, tracker in list(self.trackers.items()):
-            if tracker.phase == RESOLVED and now >= tracker.resolved_at + RESOLVED_RETENTION:
-                del self.trackers[key]
-                self._baseline[key] = tracker.last_value
-                continue
-            post = self._step(tracker, now)
-            if post is not None:
-                due.append(post)
-        return due
 
-    def _step(self, tracker: Tracker, now: float) -> dict[str, Any] | None:
+    def _step(self, tracker: Tracker, now: float) -> Posted | None:
         window = tracker.window
         while tracker.rises and tracker.rises[0][0] <= now - window:
             tracker.rises.popleft()
@@ -471,7 +431,7 @@ class Pager:
             return self._payload(tracker, tracker.resolved_at, now)
         return None
 
-    def _payload(self, tracker: Tracker, ends_at: float, now: float) -> dict[str, Any]:
+    def _payload(self, tracker: Tracker, ends_at: float, now: float) -> Posted:
         if tracker.rises:  # a resolved alert keeps its last value, as Prometheus's does
             tracker.shown = sum(amount for _, amount in tracker.rises)
         return {
@@ -485,70 +445,3 @@ class Pager:
             "startsAt": _rfc3339(tracker.starts_at),
             "endsAt": _rfc3339(ends_at),
         }
-
-    # -- sending ------------------------------------------------------------------------------
-
-    def _send_loop(self, url: str, batches: queue.Queue[_Batch | None]) -> None:
-        while True:
-            item = batches.get()
-            if item is None or self._stop.is_set():
-                return
-            queued, batch = item
-            if time.monotonic() - queued > MAX_BATCH_AGE:
-                self._count("dropped")
-                continue
-            try:
-                self.post(url, batch)
-            except (OSError, ValueError) as exc:  # URLError and timeouts are OSErrors
-                self._count("failed")
-                self.log.warning("pager.post_failed", alertmanager=url, error=_reason(exc))
-            else:
-                self._count("sent")
-
-    def post(self, url: str, alerts: list[dict[str, Any]]) -> None:
-        request = urllib.request.Request(
-            url + PATH, data=json.dumps(alerts).encode(), headers=self._headers, method="POST"
-        )
-        context = self._tls if url.startswith("https:") else None
-        with urllib.request.urlopen(request, timeout=self.timeout, context=context) as reply:
-            reply.read()
-
-    def _count(self, result: str) -> None:
-        key = ("alertmanager_posts", (catalogue.POST_RESULT.check(result),))
-        with self.state.lock:
-            self.state.daemon[key] += 1
-
-
-def _put_dropping_oldest(batches: queue.Queue[Any], item: Any) -> bool:
-    """Put ``item``; True when the oldest waiting batch was dropped to make room."""
-    dropped = False
-    while True:
-        try:
-            batches.put_nowait(item)
-            return dropped
-        except queue.Full:
-            try:
-                batches.get_nowait()
-                dropped = True
-            except queue.Empty:
-                pass
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, urllib.error.HTTPError):
-        return f"HTTP {exc.code} {exc.reason}"
-    if isinstance(exc, urllib.error.URLError):
-        return str(exc.reason)
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _read_password(path: str) -> str:
-    if not path:
-        raise ConfigError("alertmanager_username needs alertmanager_password_file")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip()
-    except OSError as exc:
-        raise ConfigError(
-            f"alertmanager_password_file {path}: cannot read it: {exc.strerror}"
-        ) from None
