@@ -30,6 +30,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from kvspool.catalogue import exposed
+from kvwatch.config import parse_duration
 
 RUNBOOK_BASE = "https://github.com/kvwatch/kvwatch/blob/main/alerts/runbook.md"
 """Where ``runbook_url`` points: the runbook in the repository, one anchor per alert."""
@@ -67,8 +68,7 @@ class RecordingRule:
 
 def _seconds(window: str) -> float:
     """A PromQL range (``5m``) in seconds."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    return float(window[:-1]) * units[window[-1]]
+    return parse_duration(window, setting="window")
 
 
 @dataclass(frozen=True)
