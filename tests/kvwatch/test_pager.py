@@ -347,6 +347,46 @@ def test_ends_at_covers_four_resends() -> None:
     assert firing["endsAt"] == pager_module._rfc3339(1.0 + ENDS_AT_RESENDS * 30)
 
 
+def test_the_evaluation_reads_the_one_collector_metrics_serves(tmp_path: Path) -> None:
+    """No second collector and no text round trip: the evaluator's source is the collector the
+    daemon registers for /metrics, and its samples are the ones /metrics serves."""
+    from kvwatch.daemon import Daemon
+    from kvwatch.expose.metrics import KvwatchCollector
+
+    (tmp_path / "spool").mkdir()
+    config = configuration.from_mapping(
+        {
+            "spool_dir": str(tmp_path / "spool"),
+            "journal": str(tmp_path / "j.db"),
+            "nvml": False,
+            "alertmanager_urls": ["http://127.0.0.1:1"],
+        }
+    )
+    daemon = Daemon(config)
+    try:
+        [collector] = [
+            c for c in daemon.registry._collector_to_names if isinstance(c, KvwatchCollector)
+        ]
+        source = daemon.evaluator.source
+        assert getattr(source, "__self__", None) is collector
+        daemon.state.daemon[("incidents", ("canary", "decode", "unwritten_page"))] += 1
+        served = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in daemon.registry.collect()
+            for s in family.samples
+            if s.name in daemon.evaluator.families
+        }
+        evaluated = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in source()
+            for s in family.samples
+            if s.name in daemon.evaluator.families
+        }
+        assert served and evaluated == served
+    finally:
+        daemon.close()
+
+
 # -- settings -------------------------------------------------------------------------------------
 
 
