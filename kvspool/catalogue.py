@@ -1,7 +1,8 @@
 """The catalogue: every name the hooks and the daemon agree on, defined once.
 
 Detectors, finding kinds, skip reasons, admission queues, hooks, drop reasons, reject reasons,
-roles and engines (each a fixed label value set, ``"other"`` included), and every counter and
+roles and engines (each a fixed label value set, ``"other"`` included), the daemon's own label
+values (log error reasons, collectors, GPU memory states, post results), and every counter and
 gauge a producer reports with its labels, metric family and help text. The record types
 (:mod:`kvspool.records`), the daemon's ``/metrics`` and state, the engine adapters and the
 dashboards and alerts generators all derive from these tables; none keeps its own copy.
