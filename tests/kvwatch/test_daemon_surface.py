@@ -3,6 +3,7 @@ and ``kvwatch status`` against it. Real processes, real sockets, real files."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -176,8 +177,12 @@ def test_missing_spool_and_log_are_loud_and_measured(tmp_path: Path) -> None:
 def test_status_command_against_the_daemon(tmp_path: Path) -> None:
     (tmp_path / "spool").mkdir()
     producer = Producer(tmp_path / "spool", role="prefill")
-    producer.identity["pid"] = os.getpid()  # a live process: the producer is not retired
+    producer.identity["pid"] = os.getpid()
     producer.append(producer.hello(), producer.gauges(681_280, 1_048_576))
+    # A live writer holds its segment's flock: without it the segment is finished after
+    # idle_grace (5 s) and the producer retired, the band stale, before the last status call.
+    live = os.open(producer.path, os.O_RDONLY)
+    fcntl.flock(live, fcntl.LOCK_EX)
     daemon = DaemonProcess(tmp_path, "--no-nvml")
     try:
         port = daemon.wait_started()
@@ -205,6 +210,7 @@ def test_status_command_against_the_daemon(tmp_path: Path) -> None:
         assert "\x1b[" not in status_on_a_terminal(url, NO_COLOR="1")
         assert time.monotonic() - t0 < 20
     finally:
+        os.close(live)
         assert daemon.stop() == 0
 
 
