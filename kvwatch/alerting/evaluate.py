@@ -9,7 +9,8 @@ its one collector renders for ``/metrics``
 round trip) and hands the alerts due to :mod:`kvwatch.alerting.notify`, with exactly the labels
 the rule gives them: ``alertname``, the rule's labels, the ``by`` labels of
 its expression (``node`` from the ``node`` setting, as Prometheus's target label) and the external
-labels the operator configures. Same labels, same fingerprint: Alertmanager merges the daemon's
+labels the operator configures, and the rule's annotations (:mod:`kvwatch.alerting.templates`).
+Same labels, same fingerprint: Alertmanager merges the daemon's
 alert and Prometheus's into one.
 
 Timing mirrors Prometheus, so the two never flap against each other:
@@ -28,11 +29,10 @@ Prometheus rule stays the path that survives a daemon that cannot reach Alertman
 from __future__ import annotations
 
 import datetime
-import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -42,6 +42,7 @@ from prometheus_client.core import Metric
 from kvspool import catalogue
 from kvwatch.alerting.notify import MAX_BATCH_AGE
 from kvwatch.alerting.rules import ALERTS, Alert, Context, Increase
+from kvwatch.alerting.templates import alert_annotations
 from kvwatch.config import Config
 from kvwatch.store.state import State
 
@@ -59,47 +60,6 @@ ENDS_AT_RESENDS: Final = 4
 Posted = dict[str, Any]
 #: (alertname or context name, the kept label values).
 _Key = tuple[str, tuple[str, ...]]
-
-# -- the rule's annotations, rendered as Prometheus renders them ---------------------------------
-
-_ACTION = re.compile(r"\{\{(.*?)\}\}")
-_LABEL = re.compile(r"^\s*\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)\s*$")
-_PRINTF = re.compile(r'^\s*\$value\s*\|\s*printf\s+"(%\.\d+f)"\s*$')
-_VALUE = re.compile(r"^\s*\$value\s*$")
-
-
-def _go_float(value: float) -> str:
-    """Go's ``%v`` of a float64 for the values a counter's increase takes."""
-    return str(int(value)) if value.is_integer() and abs(value) < 1e21 else repr(value)
-
-
-def render(
-    template: str,
-    labels: dict[str, str],
-    value: float,
-    context: Mapping[str, float] | None = None,
-) -> str:
-    """The template language subset the counter alerts use: ``{{ $labels.x }}``,
-    ``{{ $value }}``, ``{{ $value | printf "%.Nf" }}`` and an alert's context numbers
-    (``{{ <name> }}``, :class:`kvwatch.alerting.rules.Context`, shown as Prometheus shows
-    them: ``%.0f``);
-    anything else is a ValueError (a test renders every counter alert's annotations, so a new
-    construct fails there, not at 3 a.m.)."""
-
-    def one(match: re.Match[str]) -> str:
-        action = match.group(1)
-        if context and action.strip() in context:
-            return f"{context[action.strip()]:.0f}"
-        if m := _LABEL.match(action):
-            return labels.get(m.group(1), "")
-        if m := _PRINTF.match(action):
-            return m.group(1) % value
-        if _VALUE.match(action):
-            return _go_float(value)
-        raise ValueError(f"template action not supported by the daemon's fast path: {action!r}")
-
-    return _ACTION.sub(one, template)
-
 
 # -- which alerts, with which labels --------------------------------------------------------------
 
@@ -150,15 +110,6 @@ def alert_labels(
     for name, value in external.items():
         labels.setdefault(name, value)
     return labels
-
-
-def alert_annotations(
-    alert: Alert,
-    labels: dict[str, str],
-    value: float,
-    context: Mapping[str, float] | None = None,
-) -> dict[str, str]:
-    return {key: render(text, labels, value, context) for key, text in alert.annotations.items()}
 
 
 def growth(samples: deque[tuple[float, float]], now: float, window: float) -> float:

@@ -34,15 +34,14 @@ from kvwatch.alerting.evaluate import (
     ENDS_AT_RESENDS,
     TICK,
     Evaluator,
-    alert_annotations,
     alert_labels,
     counter_labels,
     fast_alerts,
     kept_labels,
-    render,
 )
 from kvwatch.alerting.notify import MAX_BATCH_AGE, Notifier
 from kvwatch.alerting.rules import Alert, Increase
+from kvwatch.alerting.templates import alert_annotations, render
 from kvwatch.store.state import State
 from tests.alerts.tooling import ALERTS, run, tool
 from tests.kvwatch.daemonproc import DaemonProcess
