@@ -629,6 +629,8 @@ class SpoolReader:
         )
         rows = []
         event_part = _EVENT_PART
+        join, affected = self._joiner.join, 0
+        self._count_peers()
         for e, ts in self._events:
             row = Finding(
                 None, ts, node, name, e.seq, role, engine, version, model, rank, *event_part(e)
@@ -638,14 +640,12 @@ class SpoolReader:
             if len(row.detail) > 1:
                 row.detail = sorted_detail(row.detail)
             rows.append(row)
-        join, affected = self._joiner.join, (_ROLE(role),)
-        self._count_peers()
-        for e, ts in self._events:
             key, new = join(node, e.request_id, e.instance or "", (role, e.detector, e.kind), ts)
-            if new:
-                self._count("affected_requests", affected, 1)
+            affected += new
             if e.sources or e.other_sources:
                 self._exposures(producer, e, key)
+        if affected:
+            self._count("affected_requests", (_ROLE(role),), affected)
         self._events.clear()
         self._batch.findings += rows
         self._incidents_seen.update(map(_INCIDENT_LABELS, rows))
