@@ -50,6 +50,7 @@ import structlog
 from prometheus_client.core import Metric
 
 from kvspool import catalogue
+from kvspool.catalogue import DaemonCounter
 from kvwatch.alerting.rules import ALERTS, Alert, Context, Increase
 from kvwatch.config import Config, ConfigError
 from kvwatch.store.state import State
@@ -399,8 +400,8 @@ class Pager:
         alerts watch change only then."""
         with self.state.lock:
             daemon = self.state.daemon
-            return daemon.get(("spool_records", ()), 0.0), daemon.get(
-                ("spool_lost_records", ()), 0.0
+            return daemon.get((DaemonCounter.SPOOL_RECORDS, ()), 0.0), daemon.get(
+                (DaemonCounter.SPOOL_LOST_RECORDS, ()), 0.0
             )
 
     def _evaluate(self, now: float) -> list[dict[str, Any]]:
@@ -514,7 +515,7 @@ class Pager:
             reply.read()
 
     def _count(self, result: str) -> None:
-        key = ("alertmanager_posts", (catalogue.POST_RESULT.check(result),))
+        key = (DaemonCounter.ALERTMANAGER_POSTS, (catalogue.POST_RESULT.check(result),))
         with self.state.lock:
             self.state.daemon[key] += 1
 

@@ -43,6 +43,7 @@ from typing import Any, Final
 import structlog
 
 from kvspool import SchemaError, catalogue, decode_payload, iter_frames
+from kvspool.catalogue import DaemonCounter
 from kvspool.framing import MAX_FRAME_BYTES, SEGMENT_SUFFIX
 from kvspool.records import (
     SERIES_OF,
@@ -508,14 +509,14 @@ class SpoolReader:
         segment.offset = base + end
         self._batch.segments[segment.name] = segment
         if clamped:
-            self._count("spool_clamped_records", (), clamped)
+            self._count(DaemonCounter.SPOOL_CLAMPED_RECORDS, (), clamped)
         if self._incidents_seen:
             self._polled["incidents"] += self._count_incidents()
         if accepted:
             producer.retired = False
             self._batch.producers[producer.name] = producer
             if not careful:  # careful mode counts each record with its own commit
-                self._count("spool_records", (), accepted)
+                self._count(DaemonCounter.SPOOL_RECORDS, (), accepted)
             self._polled["records"] += accepted
         return end
 
@@ -554,7 +555,7 @@ class SpoolReader:
             segment.offset = end
             self._batch.segments[segment.name] = segment
             self._batch.producers[producer.name] = producer
-            self._count("spool_records", ())
+            self._count(DaemonCounter.SPOOL_RECORDS, ())
             self._count_incidents()
             self._commit()
         except Exception as exc:
@@ -582,7 +583,7 @@ class SpoolReader:
                 time.time(), name, start, end - start, "internal", message, producer.name, seq
             )
         )
-        self._count("spool_rejected", ("internal",))
+        self._count(DaemonCounter.SPOOL_REJECTED, ("internal",))
         self._polled["rejected"] += 1
         self._commit()
         self.log.error(
@@ -645,7 +646,7 @@ class SpoolReader:
             if e.sources or e.other_sources:
                 self._exposures(producer, e, key)
         if affected:
-            self._count("affected_requests", (_ROLE(role),), affected)
+            self._count(DaemonCounter.AFFECTED_REQUESTS, (_ROLE(role),), affected)
         self._events.clear()
         self._batch.findings += rows
         self._incidents_seen.update(map(_INCIDENT_LABELS, rows))
@@ -660,12 +661,18 @@ class SpoolReader:
                 peers.append(peer)
         if not peers:
             return
-        known = {labels[0] for name, labels in self.state.daemon if name == "transfer_mismatches"}
+        known = {
+            labels[0]
+            for name, labels in self.state.daemon
+            if name == DaemonCounter.TRANSFER_MISMATCHES
+        }
         known.discard(catalogue.OTHER)
         for peer in peers:
             if peer not in known and len(known) < catalogue.MAX_PEERS:
                 known.add(peer)
-            self._count("transfer_mismatches", (peer if peer in known else catalogue.OTHER,))
+            self._count(
+                DaemonCounter.TRANSFER_MISMATCHES, (peer if peer in known else catalogue.OTHER,)
+            )
 
     def _count_incidents(self) -> int:
         """Add the incidents seen to ``kvwatch_incidents_total``; returns how many."""
@@ -676,7 +683,10 @@ class SpoolReader:
             if key is None:
                 if len(keys) >= 4096:  # fresh junk values: bounded memory
                     keys.clear()
-                key = keys[raw] = ("incidents", (_DETECTOR(raw[0]), _ROLE(raw[1]), _KIND(raw[2])))
+                key = keys[raw] = (
+                    DaemonCounter.INCIDENTS,
+                    (_DETECTOR(raw[0]), _ROLE(raw[1]), _KIND(raw[2])),
+                )
             self._count(*key, count)
             total += count
         self._incidents_seen.clear()
@@ -711,12 +721,12 @@ class SpoolReader:
             if len(table) > most:  # bounded memory: the oldest half goes
                 for old in list(table)[: len(table) // 2]:
                     del table[old]  # type: ignore[arg-type]
-        self._count("exposed_requests", (_ROLE(producer.role),), new + others)
+        self._count(DaemonCounter.EXPOSED_REQUESTS, (_ROLE(producer.role),), new + others)
 
     def _lost(self, producer: Producer, first: int, last: int) -> None:
         count = last - first + 1
         self._batch.gaps.append((time.time(), producer.name, first, last))
-        self._count("spool_lost_records", (), count)
+        self._count(DaemonCounter.SPOOL_LOST_RECORDS, (), count)
         self._polled["lost"] += count
         self.log.warning(
             "spool.records_lost", producer=producer.name, first_seq=first, last_seq=last, lost=count
@@ -733,7 +743,7 @@ class SpoolReader:
         self._batch.rejects.append(
             RejectRow(time.time(), segment.name, offset, length, reason, message)
         )
-        self._count("spool_rejected", (reason,))
+        self._count(DaemonCounter.SPOOL_REJECTED, (reason,))
         self._polled["rejected"] += 1
         if self._polled["rejected"] > _LOGGED_REJECTS:
             return
@@ -772,7 +782,7 @@ class SpoolReader:
             return
         self._flagged.add(name)
         self._batch.rejects.append(RejectRow(time.time(), name, 0, 0, reason, message))
-        self._count("spool_rejected", (reason,))
+        self._count(DaemonCounter.SPOOL_REJECTED, (reason,))
         self._polled["rejected"] += 1
         self.log.warning("spool.segment_ignored", segment=name, reason=reason, error=message)
 
