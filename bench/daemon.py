@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 import kvspool
+from kvspool import catalogue
 from kvwatch.config import Config
 from kvwatch.daemon import Daemon
 from kvwatch.expose.metrics import KvwatchCollector
@@ -195,7 +196,7 @@ def catch_up(
     cpu = time.process_time() - cpu_started
     done.set()
     sampler.join()
-    committed = int(daemon.state.daemon[("spool_records", ())])
+    committed = int(daemon.state.daemon[(catalogue.DaemonCounter.SPOOL_RECORDS, ())])
     assert committed == total, (committed, total)
     assert not list(spool.glob("*.kvs")), "segments left behind"
     if log:  # every incident in the log, once

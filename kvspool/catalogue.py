@@ -438,8 +438,35 @@ DAEMON_FAMILIES: Final = (
 )
 FAMILY_BY_NAME: Final = {family.name: family for family in DAEMON_FAMILIES}
 
+
 #: The prefix of every family kvwatch exposes.
 PREFIX: Final = "kvwatch_"
+
+
+class DaemonCounter:
+    """The daemon's own counters, by name: the keys of its state's ``daemon`` totals (with
+    their labels, in the order of the family's), the rows of the journal's ``counters`` table
+    (stored by these names: never rename one) and, with :data:`PREFIX`, the catalogued counter
+    family each is exposed as. The reader, the pager, /metrics and the status page name them
+    only through these."""
+
+    INCIDENTS: Final = "incidents"
+    AFFECTED_REQUESTS: Final = "affected_requests"
+    EXPOSED_REQUESTS: Final = "exposed_requests"
+    TRANSFER_MISMATCHES: Final = "transfer_mismatches"
+    SPOOL_RECORDS: Final = "spool_records"
+    SPOOL_REJECTED: Final = "spool_rejected"
+    SPOOL_CLAMPED_RECORDS: Final = "spool_clamped_records"
+    SPOOL_LOST_RECORDS: Final = "spool_lost_records"
+    ALERTMANAGER_POSTS: Final = "alertmanager_posts"
+
+
+#: Every name of :class:`DaemonCounter`.
+DAEMON_COUNTERS: Final = tuple(
+    value for name, value in vars(DaemonCounter).items() if name.isupper()
+)
+for _name in DAEMON_COUNTERS:  # each one a catalogued counter family
+    assert FAMILY_BY_NAME[PREFIX + _name].type == "counter", _name
 
 #: Every catalogued family, by its name without :data:`PREFIX`, and the name /metrics exposes
 #: for it (a counter's with ``_total``).

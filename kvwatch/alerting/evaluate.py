@@ -40,6 +40,7 @@ import structlog
 from prometheus_client.core import Metric
 
 from kvspool import catalogue
+from kvspool.catalogue import DaemonCounter
 from kvwatch.alerting.notify import MAX_BATCH_AGE
 from kvwatch.alerting.rules import ALERTS, Alert, Context, Increase
 from kvwatch.alerting.templates import alert_annotations
@@ -305,8 +306,8 @@ class Evaluator:
         alerts watch change only then."""
         with self.state.lock:
             daemon = self.state.daemon
-            return daemon.get(("spool_records", ()), 0.0), daemon.get(
-                ("spool_lost_records", ()), 0.0
+            return daemon.get((DaemonCounter.SPOOL_RECORDS, ()), 0.0), daemon.get(
+                (DaemonCounter.SPOOL_LOST_RECORDS, ()), 0.0
             )
 
     def _evaluate(self, now: float) -> list[Posted]:

@@ -118,7 +118,7 @@ class Notifier:
             reply.read()
 
     def _count(self, result: str) -> None:
-        key = ("alertmanager_posts", (catalogue.POST_RESULT.check(result),))
+        key = (catalogue.DaemonCounter.ALERTMANAGER_POSTS, (catalogue.POST_RESULT.check(result),))
         with self.state.lock:
             self.state.daemon[key] += 1
 

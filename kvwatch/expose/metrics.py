@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvspool import catalogue
+from kvspool.catalogue import DaemonCounter
 from kvwatch import __version__
 from kvwatch.store.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS, FirstN, LabelKey, State
 
@@ -100,9 +101,9 @@ class KvwatchCollector(Collector):
         """By peer: every peer counted so far (at most MAX_PEERS), and other, from 0."""
         family = _family("kvwatch_transfer_mismatches")
         daemon = self.state.daemon
-        peers = {labels[0] for name, labels in daemon if name == "transfer_mismatches"}
+        peers = {labels[0] for name, labels in daemon if name == DaemonCounter.TRANSFER_MISMATCHES}
         for peer in sorted(peers | {catalogue.OTHER}):
-            family.add_metric([peer], daemon.get(("transfer_mismatches", (peer,)), 0.0))
+            family.add_metric([peer], daemon.get((DaemonCounter.TRANSFER_MISMATCHES, (peer,)), 0.0))
         return family
 
     def _families(self) -> Iterator[Metric]:
@@ -122,29 +123,34 @@ class KvwatchCollector(Collector):
         incidents = _family("kvwatch_incidents")
         labels = (catalogue.DETECTOR, catalogue.ROLE, catalogue.KIND)
         for key in _grid(tuple(label.sorted_values for label in labels)):
-            incidents.add_metric(list(key), state.daemon.get(("incidents", key), 0.0))
+            incidents.add_metric(list(key), state.daemon.get((DaemonCounter.INCIDENTS, key), 0.0))
         yield incidents
         yield self._transfer_mismatches()
-        for counter in ("affected_requests", "exposed_requests"):
+        for counter in (
+            DaemonCounter.AFFECTED_REQUESTS,
+            DaemonCounter.EXPOSED_REQUESTS,
+        ):
             family = _family(f"kvwatch_{counter}")
             for role in catalogue.ROLE.sorted_values:
                 family.add_metric([role], state.daemon.get((counter, (role,)), 0.0))
             yield family
         yield _family(
             "kvwatch_spool_records",
-            value=state.daemon.get(("spool_records", ()), 0.0),
+            value=state.daemon.get((DaemonCounter.SPOOL_RECORDS, ()), 0.0),
         )
         rejected = _family("kvwatch_spool_rejected")
         for reason in catalogue.REJECT_REASON.values:
-            rejected.add_metric([reason], state.daemon.get(("spool_rejected", (reason,)), 0.0))
+            rejected.add_metric(
+                [reason], state.daemon.get((DaemonCounter.SPOOL_REJECTED, (reason,)), 0.0)
+            )
         yield rejected
         yield _family(
             "kvwatch_spool_clamped_records",
-            value=state.daemon.get(("spool_clamped_records", ()), 0.0),
+            value=state.daemon.get((DaemonCounter.SPOOL_CLAMPED_RECORDS, ()), 0.0),
         )
         yield _family(
             "kvwatch_spool_lost_records",
-            value=state.daemon.get(("spool_lost_records", ()), 0.0),
+            value=state.daemon.get((DaemonCounter.SPOOL_LOST_RECORDS, ()), 0.0),
         )
         yield _family(
             "kvwatch_spool_lag_bytes",
@@ -174,7 +180,10 @@ class KvwatchCollector(Collector):
         yield errors
         posts = _family("kvwatch_alertmanager_posts")
         for result in catalogue.POST_RESULT.sorted_values:
-            posts.add_metric([result], state.daemon.get(("alertmanager_posts", (result,)), 0.0))
+            posts.add_metric(
+                [result],
+                state.daemon.get((DaemonCounter.ALERTMANAGER_POSTS, (result,)), 0.0),
+            )
         yield posts
 
     def _engine_families(self) -> Iterator[Metric]:

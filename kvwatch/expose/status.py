@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvspool.catalogue import DaemonCounter
 from kvwatch.expose.metrics import engine_views
 from kvwatch.store import incident as incident_model
 from kvwatch.store.journal import AckRow, Journal, JournalError
@@ -171,12 +172,12 @@ def health(state: State) -> Health:
         # came (an engine killed right after the event) must not read "no KV mismatch".
         incidents: dict[str, float] = {}
         for (name, labels), value in state.daemon.items():
-            if name == "incidents" and value:
+            if name == DaemonCounter.INCIDENTS and value:
                 incidents[labels[0]] = incidents.get(labels[0], 0.0) + value
         for detector, value in incidents.items():
             mismatches[detector] = max(mismatches.get(detector, 0.0), value)
-        lost = state.daemon.get(("spool_lost_records", ()), 0.0)
-        rejected = sum(v for (n, _), v in state.daemon.items() if n == "spool_rejected")
+        lost = state.daemon.get((DaemonCounter.SPOOL_LOST_RECORDS, ()), 0.0)
+        rejected = sum(v for (n, _), v in state.daemon.items() if n == DaemonCounter.SPOOL_REJECTED)
         return Health(
             mismatches, aborted, lost, rejected, state.live_producers, state.last_record_ts
         )

@@ -166,18 +166,19 @@ class Joiner:
         self._by_instance: dict[tuple[str, str, str], int] = {}
         self._latest: dict[tuple[str, str], int] = {}
         #: An incident's last finding's time, and (role, detector, kind) -> the instance that
-        #: reported it first.
-        self._incidents: dict[int, tuple[float, dict[tuple[str, str, str], str]]] = {}
+        #: reported it first (a list: updated in place, once per finding).
+        self._incidents: dict[int, list[Any]] = {}
 
     def join(
         self, node: str, request_id: str, instance: str, what: tuple[str, str, str], time: float
     ) -> tuple[int, bool]:
         """The incident key of a finding (``what``: role, detector, kind), and whether the
         finding starts that incident."""
+        incidents = self._incidents
         key = self._by_instance.get((node, request_id, instance)) if instance else None
-        if key is None or key not in self._incidents:
+        if key is None or key not in incidents:
             key = self._latest.get((node, request_id))
-            state = None if key is None else self._incidents.get(key)
+            state = None if key is None else incidents.get(key)
             if (
                 state is None
                 or time - state[0] > JOIN_SECONDS
@@ -186,14 +187,16 @@ class Joiner:
                 key = None
         new = key is None
         if key is None:
-            key, self._next = self._next, self._next + 1
-            self._incidents[key] = (time, {})
-        last, seen = self._incidents[key]
-        seen.setdefault(what, instance)
-        self._incidents[key] = (max(last, time), seen)
+            key = self._next
+            self._next = key + 1
+            incidents[key] = [time, {what: instance}]
+        else:
+            state = incidents[key]
+            if time > state[0]:  # noqa: PLR1730 (max() per finding costs more)
+                state[0] = time
+            state[1].setdefault(what, instance)
         if instance:
             self._by_instance[(node, request_id, instance)] = key
-        self._latest.pop((node, request_id), None)
         self._latest[(node, request_id)] = key
         if self.limit is not None and len(self._incidents) > self.limit:
             # Bounded memory: the oldest half of the incidents goes (a finding that would

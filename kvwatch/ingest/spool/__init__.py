@@ -1,2 +1,3 @@
-"""The spool: every producer's segments tailed into the journal (``reader``), who may write them
-(``owner``)."""
+"""The spool: every producer's segments tailed into the journal (``reader``, the poll loop, on
+``frames``, ``poison``, ``apply``, ``directory`` and ``sink``: one job each), who may write
+them (``owner``)."""
