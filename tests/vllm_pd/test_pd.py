@@ -196,19 +196,35 @@ def expiry_logged(lease: Server, rid: str) -> bool:
     return any(EXPIRED_LEASE in line and f" {rid} " in line for line in text.splitlines())
 
 
-def taken(bed: Bed, rid: str, blocks: list[int]) -> dict[str, set[int]]:
+def taken(
+    bed: Bed, rid: str, blocks: list[int], until: float = float("inf")
+) -> dict[str, set[int]]:
     """Ground truth, from vLLM's scheduler on prefill-lease (tests/vllm_pd/recorder.py): per
     request, the victim's blocks vLLM allocated to it after the victim's own allocation (the
-    victim holds them until NIXL's lease frees them, so every such allocation came after)."""
+    victim holds them until NIXL's lease frees them, so every such allocation came after), by
+    ``until``."""
     lines = (bed.records or Path()).read_text().splitlines()
     allocations = [json.loads(line) for line in lines]
     first = next(i for i, row in enumerate(allocations) if row["request_id"] == rid)
     out: dict[str, set[int]] = {}
     for row in allocations[first + 1 :]:
-        hit = set(blocks).intersection(row["blocks"])
+        hit = set(blocks).intersection(row["blocks"]) if row["t"] <= until else set()
         if hit and row["request_id"] != rid:
             out.setdefault(row["request_id"], set()).update(hit)
     return out
+
+
+def taken_in_order(bed: Bed, rid: str, blocks: list[int]) -> dict[int, int]:
+    """Per victim block, how many requests vLLM has allocated it to since the victim."""
+    counts = dict.fromkeys(blocks, 0)
+    for blocks_of in taken(bed, rid, blocks).values():
+        for block in blocks_of:
+            counts[block] += 1
+    return counts
+
+
+def twice(counts: dict[int, int]) -> bool:
+    return all(n >= 2 for n in counts.values())
 
 
 def lease_finding(bed: Bed, rid: str, wait_s: float = 0.0) -> dict[str, Any] | None:
@@ -278,7 +294,13 @@ def lease_attempt(bed: Bed, mode: str, tag: str) -> dict[str, Any]:
     while not expiry_logged(lease, rid):
         other()
     expired_at = time.time()
-    while not taken(bed, rid, blocks):
+    # Takers, until every block was taken twice (a block taken, freed and taken again: both
+    # are sources) or a few seconds before kvwatch's window closes: no request of ours may come
+    # after the step that closes it (it would be a taker vLLM saw and the finding did not).
+    churn_until = expired_at + FREED_WATCH_S - 3.0
+    while not taken(bed, rid, blocks) or (
+        time.time() < churn_until and not twice(taken_in_order(bed, rid, blocks))
+    ):
         other()
     # kvwatch's window closes at the first step FREED_WATCH_S after the expiry: one more
     # request after that, unless a step of vLLM's own closed it already.
@@ -287,7 +309,7 @@ def lease_attempt(bed: Bed, mode: str, tag: str) -> dict[str, Any]:
         other()
     freed = lease_finding(bed, rid, SPOOL_WAIT_S)
     assert freed is not None, f"no freed_before_read finding on prefill-lease for {rid}"
-    took = {r: len(b) for r, b in taken(bed, rid, blocks).items()}
+    took = {r: len(b) for r, b in taken(bed, rid, blocks, freed["ts"]).items()}
     mark = len(bed.decode[mode].log.read_text(errors="replace").splitlines())
     served = reply(bed.decode[mode].complete(victim, 4, params))
     read = reader_of(bed, mode, rid)
