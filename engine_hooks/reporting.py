@@ -114,10 +114,13 @@ class Reporter:
                 )  # fmt: skip
         return out
 
-    def report(self, verdict: Verdict, residue: Sequence[tuple[str, str]] = ()) -> Verdict:
+    def report(
+        self, verdict: Verdict, residue: Sequence[tuple[str, str]] = (), *, exposed: bool = False
+    ) -> Verdict:
         """Count a mismatch and write its event record, once per request instance, detector and
         kind: a stale page found at admit is found again at every decode step of the same
-        request. The instance, not the request id: two requests may share an id."""
+        request. The instance, not the request id: two requests may share an id. ``exposed``:
+        the verdict's sources are named already (:meth:`named`)."""
         key = (verdict.instance, verdict.detector, verdict.kind or "other")
         if verdict.instance and key in self._reported:
             return verdict
@@ -125,7 +128,8 @@ class Reporter:
             self._reported[key] = None
             if len(self._reported) > REMEMBERED_REPORTS:
                 self._reported.popitem(last=False)
-        verdict = self.expose(verdict, residue)
+        if not exposed:
+            verdict = self.expose(verdict, residue)
         self.stats.mismatch(verdict.detector, verdict.kind or "other")
         if self.spool is not None:
             record: dict[str, Any] = {
@@ -168,26 +172,30 @@ class Reporter:
                 entry = held.setdefault(ident, [0, 0.0])
                 entry[0] += 1
                 entry[1] = max(entry[1], at)
-        ranked = sorted(held.items(), key=lambda item: (-item[1][0], item[0]))
-        top, rest = ranked[: schema.MAX_EVENT_SOURCES], ranked[schema.MAX_EVENT_SOURCES :]
-        sources = tuple(
+        detail = verdict.detail
+        if unattributed:
+            detail = {**detail, "unattributed_pages": unattributed}
+        sources = [
             Source(
                 request_id=rid,
                 pages=int(count),
                 instance=instance or None,
                 written_at=max(0.0, at),
             )
-            for (rid, instance), (count, at) in top
-        )
-        detail = verdict.detail
-        if unattributed:
-            detail = {**detail, "unattributed_pages": unattributed}
+            for (rid, instance), (count, at) in held.items()
+        ]
+        return self.named(replace(verdict, detail=detail), sources)
+
+    def named(self, verdict: Verdict, sources: Sequence[Source]) -> Verdict:
+        """The verdict with ``sources`` as whose data its pages held: most pages first, at most
+        ``MAX_EVENT_SOURCES``, the rest counted (``other_sources``, ``other_source_pages``)."""
+        ranked = sorted(sources, key=lambda s: (-s.pages, s.request_id, s.instance or ""))
+        top, rest = ranked[: schema.MAX_EVENT_SOURCES], ranked[schema.MAX_EVENT_SOURCES :]
         return replace(
             verdict,
-            sources=sources,
+            sources=tuple(top),
             other_sources=len(rest),
-            other_source_pages=int(sum(count for _, (count, _) in rest)),
-            detail=detail,
+            other_source_pages=int(sum(s.pages for s in rest)),
         )
 
     def engine_event(

@@ -88,6 +88,7 @@ from engine_hooks.scrub import Scrub
 from engine_hooks.spool import SpoolWriter
 from engine_hooks.tickets import RequestKeys, Ticket, instances_of, new_instance, owners_of
 from kvspool.catalogue import HOOKED_DETECTORS
+from kvspool.records import Source
 
 __all__ = ["HOOKS", "KVWatch", "RequestKeys", "Scrub", "Ticket", "new_instance"]
 
@@ -367,13 +368,15 @@ class KVWatch:
         instance: str,
         pages: PageIds,
         detail: Mapping[str, int | str] | None = None,
+        takers: Sequence[Source] | None = None,
     ) -> Verdict | None:
         """The writer's side of a lease that expired: ``request_id`` (``instance``) sent
         ``pages`` to a remote reader, and they were freed before that read was confirmed. The
         finding (``page_tag`` ``freed_before_read``, logged in every mode: the writer's request
         is gone, the reader's check is what fails it) names as sources the requests that took
-        the pages since, from the holder slots, with page counts and when they wrote; none
-        when nobody took them (the reader reads what was sent)."""
+        the pages since: ``takers`` where the caller kept every one (pages, first write), else
+        the pages' holders now, from the holder slots; none when nobody took them (the reader
+        reads what was sent)."""
         if self._state is None or self._tags is None or not self._tags.active() or not len(pages):
             return None
         mode = Mode.LOG if self._tags.mode is Mode.ENFORCE else self._tags.mode
@@ -387,10 +390,13 @@ class KVWatch:
             dict(detail or {}),
             instance,
         )
-        exposed = self._reporter.expose(verdict)
+        if takers is None:
+            exposed = self._reporter.expose(verdict)
+        else:
+            exposed = self._reporter.named(verdict, takers)
         if not exposed.sources and not exposed.other_sources:
             return None  # nobody took them (yet): nothing foreign for the reader to read
-        return self._reporter.report(verdict)
+        return self._reporter.report(exposed, exposed=takers is not None)
 
     @_hook(Hook.STEP, list)
     def check_step(self, ticket: Ticket, *, before_read: bool = False) -> list[Verdict]:

