@@ -18,7 +18,7 @@ from kvwatch import config as configuration
 from kvwatch.commands.clihelp import add_command, fail
 from kvwatch.commands.common import DETECTORS, KINDS, choice, journal_problem, time_range
 from kvwatch.store import incidents_log
-from kvwatch.store.incident import Finding, counts, source_key
+from kvwatch.store.incident import Finding, Incident, counts, source_key
 from kvwatch.store.incidents_log import ReadResult, iso
 
 _COLUMNS = (
@@ -39,7 +39,7 @@ _SHOWN_PAGES = 8
 EXPOSED_VERSION: Final = 2
 
 
-def render(incidents: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> None:
+def render(incidents: list[Incident], out: TextIO, *, as_json: bool) -> None:
     if as_json:
         stamped = [
             {
@@ -83,7 +83,7 @@ def render(incidents: list[dict[str, Any]], out: TextIO, *, as_json: bool) -> No
 _SHOWN_FINDINGS = 4
 
 
-def _pages(incident: dict[str, Any]) -> str:
+def _pages(incident: Incident) -> str:
     """The pages of the finding that named the most."""
     widest = max(incident["findings"], key=lambda f: f["pages_total"])
     pages = [str(p) for p in widest["pages"][:_SHOWN_PAGES]]
@@ -118,7 +118,7 @@ def _table(table: list[tuple[str, ...]], out: TextIO) -> None:
 
 
 def exposure(
-    incidents: list[dict[str, Any]], *, since: float | None, until: float | None
+    incidents: list[Incident], *, since: float | None, until: float | None
 ) -> dict[str, Any]:
     """The disclosure view of ``incidents`` (:func:`group`; format :data:`EXPOSED_VERSION`).
 
@@ -139,7 +139,7 @@ def exposure(
         if not incident["sources"] and not incident["other_sources"]:
             continue
         node = incident["node"]
-        reader = {
+        reader: dict[str, Any] = {
             name: incident[name]
             for name in (
                 "id", "request_id", "instance", "node", "role", "engine", "engine_version",
@@ -182,10 +182,10 @@ def exposure(
                 }
             )
     source_list = []
-    for source in sources.values():
-        source["readers"].sort(key=lambda r: (-r["pages"], r["request_id"]))
-        source["pages"] = sum(r["pages"] for r in source["readers"])
-        source_list.append(source)
+    for entry in sources.values():
+        entry["readers"].sort(key=lambda r: (-r["pages"], r["request_id"]))
+        entry["pages"] = sum(r["pages"] for r in entry["readers"])
+        source_list.append(entry)
     readers.sort(key=lambda r: (r["first_time"], r["node"], r["request_id"]))
     source_list.sort(key=lambda s: (-s["pages"], s["node"], s["request_id"]))
     unnamed = sum(r["other_sources"] for r in readers)

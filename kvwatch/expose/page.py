@@ -11,7 +11,6 @@ import html
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 from kvspool.catalogue import unsafe_band
 from kvspool.records import stopped_before_read
@@ -27,6 +26,7 @@ from kvwatch.expose.status import (
     summarize,
 )
 from kvwatch.store import incident as incident_model
+from kvwatch.store.incident import Incident
 from kvwatch.store.journal import AckRow, Journal, JournalError
 from kvwatch.store.state import State
 
@@ -81,7 +81,7 @@ def _pool_chart(rows: list[tuple[tuple[str, ...], dict[str, float]]], stale: boo
     return "\n".join(parts)
 
 
-def _incidents_table(incidents: list[dict[str, Any]], error: str | None, acks: list[AckRow]) -> str:
+def _incidents_table(incidents: list[Incident], error: str | None, acks: list[AckRow]) -> str:
     if error:
         return f'<p class="bad">The journal could not be read: {_e(error)}</p>'
     if not incidents:
@@ -106,7 +106,7 @@ def _incidents_table(incidents: list[dict[str, Any]], error: str | None, acks: l
     return f'<table id="incident-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def _latest_sources(incidents: list[dict[str, Any]]) -> str:
+def _latest_sources(incidents: list[Incident]) -> str:
     """Whose KV the latest incident's reader received: what the disclosure team asks first."""
     if not incidents:
         return '<p class="empty">No incidents in the journal.</p>'
@@ -159,7 +159,7 @@ table{border-collapse:collapse;width:100%} th,td{text-align:left;padding:4px 8px
 def render(
     state: State,
     alarm: Alarm,
-    incidents: list[dict[str, Any]],
+    incidents: list[Incident],
     error: str | None = None,
     *,
     acks: list[AckRow] | None = None,
@@ -218,7 +218,7 @@ pass the context check that the pool cannot hold.</p>
 
 def latest_incidents(
     journal_path: str | Path,
-) -> tuple[list[dict[str, Any]], list[AckRow], str | None]:
+) -> tuple[list[Incident], list[AckRow], str | None]:
     """The newest incidents (latest first) and the acknowledgements, read through a read-only
     connection of this request's own."""
     try:

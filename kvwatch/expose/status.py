@@ -21,6 +21,7 @@ from typing import Any
 from kvspool.catalogue import DaemonCounter
 from kvwatch.expose.metrics import engine_views
 from kvwatch.store import incident as incident_model
+from kvwatch.store.incident import Incident
 from kvwatch.store.journal import AckRow, Journal, JournalError
 from kvwatch.store.state import State
 
@@ -70,7 +71,7 @@ class Alarm:
 
     settings: AlarmSettings
     #: Unacknowledged incidents in the alarm's scope (:func:`kvwatch.store.incident.group`).
-    open: tuple[dict[str, Any], ...] = ()
+    open: tuple[Incident, ...] = ()
     acknowledged: int = 0
     lost_records: int = 0
     error: str | None = None
@@ -95,22 +96,29 @@ class Alarm:
         }
 
 
-def covers(ack: AckRow, incident: dict[str, Any]) -> bool:
+def covers(ack: AckRow, incident: Incident) -> bool:
     """Whether ``ack`` acknowledges ``incident`` (:class:`kvwatch.store.journal.AckRow`)."""
-    ids = [f.get("id") for f in incident["findings"]]
-    if None in ids or not ids:  # not from this journal (a gap, a log line): by time
-        if incident["last_time"] > ack.ts:
+    ids = [f["id"] for f in incident["findings"]]
+    return _covers(ack, incident["first_time"], incident["last_time"], ids)
+
+
+def _covers(ack: AckRow, first_time: float, last_time: float, ids: list[int | None]) -> bool:
+    """:func:`covers` for findings first and last seen at those times, with those journal ids
+    (None for one not from this journal; none at all for a gap in the records)."""
+    stored = [i for i in ids if i is not None]
+    if len(stored) < len(ids) or not ids:  # not from this journal (a gap, a log line): by time
+        if last_time > ack.ts:
             return False
-    elif max(ids) > ack.upto:
+    elif max(stored) > ack.upto:
         return False  # a finding stored after the acknowledgement: raised again
     if ack.incident is not None:
-        return any(f.get("id") == ack.incident for f in incident["findings"])
-    return (ack.since is None or incident["first_time"] >= ack.since) and (
-        ack.until is None or incident["first_time"] < ack.until
+        return ack.incident in ids
+    return (ack.since is None or first_time >= ack.since) and (
+        ack.until is None or first_time < ack.until
     )
 
 
-def acknowledgement(acks: list[AckRow], incident: dict[str, Any]) -> AckRow | None:
+def acknowledgement(acks: list[AckRow], incident: Incident) -> AckRow | None:
     """The latest acknowledgement that covers ``incident``, if any."""
     return next((a for a in reversed(acks) if covers(a, incident)), None)
 
@@ -124,7 +132,7 @@ def alarm(journal: Journal, settings: AlarmSettings, now: float | None = None) -
     read_from = None if since is None else since - incident_model.JOIN_SECONDS
     grouped = incident_model.group(journal.incidents(since=read_from))
     acks = journal.acks()
-    open_: list[dict[str, Any]] = []
+    open_: list[Incident] = []
     acknowledged = 0
     for incident in grouped:
         if since is not None and incident["last_time"] < since:
@@ -135,8 +143,7 @@ def alarm(journal: Journal, settings: AlarmSettings, now: float | None = None) -
             acknowledged += 1
     lost = 0
     for ts, count in journal.gaps(since):
-        gap = {"first_time": ts, "last_time": ts, "findings": ()}
-        if not any(a.incident is None and covers(a, gap) for a in acks):
+        if not any(a.incident is None and _covers(a, ts, ts, []) for a in acks):
             lost += count
     return Alarm(settings, tuple(open_), acknowledged, lost)
 

@@ -19,7 +19,7 @@ through :func:`counts`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, NotRequired, TypedDict
 
 from msgspec import Meta, Struct, structs
 
@@ -147,7 +147,79 @@ def merge(
     return sorted(seen.values(), key=lambda f: (f.ts, identity(f)))
 
 
-def source_key(source: dict[str, Any]) -> tuple[str, str]:
+class SourceView(TypedDict):
+    """A source as the views show it (JSON-ready); ``node`` only on one joined from another
+    node (:func:`join_peers`)."""
+
+    request_id: str
+    pages: int
+    instance: str | None
+    written_at: float
+    node: NotRequired[str]
+
+
+class FindingView(TypedDict):
+    """A finding as an incident shows it (JSON-ready, :func:`finding_view`): the fields of
+    :data:`_SHOWN_FIELDS`, ``time`` being the finding's ``ts``."""
+
+    id: int | None
+    time: float
+    role: str
+    producer: str
+    seq: int
+    instance: str | None
+    detector: str
+    kind: str
+    mode: str
+    action: str
+    pages: list[int]
+    pages_total: int
+    detail: dict[str, int | str]
+    sources: list[SourceView]
+    other_sources: int
+    other_source_pages: int
+
+
+class Peer(TypedDict):
+    """The writer's request instance a joined incident took (:func:`join_peers`)."""
+
+    node: str
+    request_id: str
+    instance: str | None
+
+
+class Incident(TypedDict):
+    """One affected request instance, as :func:`group` builds it and every view renders it
+    (``kvwatch incidents``' table and JSON, the status page, ``kvwatch status``, acks): its
+    labels (the reader's, see :func:`_add_finding`), its findings in time order, and its
+    sources (distinct, most pages first) and the count of those only counted. JSON-ready, keys
+    in the order the JSON output shows them."""
+
+    id: int | None
+    node: str
+    request_id: str
+    instance: str | None
+    instances: list[str]
+    roles: list[str]
+    role: str
+    engine: str
+    engine_version: str
+    model: str
+    producer: str
+    time: float
+    first_time: float
+    last_time: float
+    detectors: list[str]
+    pages_total: int
+    findings: list[FindingView]
+    sources: list[SourceView]
+    other_sources: int
+    other_source_pages: int
+    exposed: int
+    peer: NotRequired[Peer]
+
+
+def source_key(source: SourceView) -> tuple[str, str]:
     """A source as an incident's views key it: its request id and instance."""
     return (source["request_id"], source["instance"] or "")
 
@@ -209,11 +281,13 @@ class Joiner:
         return key, new
 
 
-def group(findings: list[Finding]) -> list[dict[str, Any]]:
+def group(findings: list[Finding]) -> list[Incident]:
     """The incidents of ``findings`` (time-ordered, as :func:`merge` gives them), in order of
     their first finding. The join rule: :class:`Joiner`."""
-    incidents: list[dict[str, Any]] = []
-    by_key: dict[int, dict[str, Any]] = {}
+    incidents: list[Incident] = []
+    by_key: dict[int, Incident] = {}
+    #: Each incident's distinct sources while it is built (keyed as :func:`source_key`).
+    sources: dict[int, dict[tuple[str, str], SourceView]] = {}
     joiner = Joiner()
     for row in findings:
         what = (row.role, row.detector, row.kind)
@@ -221,10 +295,11 @@ def group(findings: list[Finding]) -> list[dict[str, Any]]:
         if new:
             incident = by_key[key] = _new_incident(row)
             incidents.append(incident)
-        _add_finding(by_key[key], row)
+            sources[id(incident)] = {}
+        _add_finding(by_key[key], sources[id(by_key[key])], row)
     for incident in incidents:
         incident["sources"] = sorted(
-            incident["sources"].values(), key=lambda s: (-s["pages"], source_key(s))
+            sources[id(incident)].values(), key=lambda s: (-s["pages"], source_key(s))
         )
         incident["exposed"] = len(incident["sources"]) + incident["other_sources"]
     return join_peers(incidents)
@@ -237,21 +312,21 @@ def group(findings: list[Finding]) -> list[dict[str, Any]]:
 WRITER_SIDE: Final = frozenset({"freed_before_read"})
 
 
-def _peer(finding: dict[str, Any]) -> tuple[str, str, str] | None:
+def _peer(finding: FindingView) -> tuple[str, str, str] | None:
     """The writer's request instance a reader's finding names (node, request id, instance)."""
-    detail = finding.get("detail") or {}
+    detail = finding["detail"] or {}
     peer = tuple(detail.get(k) for k in ("peer_node", "peer_request_id", "peer_instance"))
     return peer if all(isinstance(v, str) and v for v in peer) else None  # type: ignore[return-value]
 
 
-def join_peers(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def join_peers(incidents: list[Incident]) -> list[Incident]:
     """One incident for a request that two nodes saw: a reader's finding names the writer's
     request instance (``peer_*`` in its detail) and that instance has a :data:`WRITER_SIDE`
     finding on its node. The reader's incident takes the writer's findings, and, as sources
     on the writer's node (``node`` in the source), the requests that wrote into the sent pages
     no later than the reader's first finding on them (it read before it checked; the rest came
     too late to be read). Times are two nodes' clocks: keep them in sync (NTP)."""
-    writers: dict[tuple[str, str, str], dict[str, Any]] = {}
+    writers: dict[tuple[str, str, str], Incident] = {}
     for incident in incidents:
         if any(f["kind"] in WRITER_SIDE for f in incident["findings"]):
             for instance in incident["instances"]:
@@ -270,24 +345,27 @@ def join_peers(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [i for i in incidents if id(i) not in merged]
 
 
-def _take_writer(reader: dict[str, Any], writer: dict[str, Any], read_at: float) -> None:
+def _take_writer(reader: Incident, writer: Incident, read_at: float) -> None:
     reader["findings"].extend(writer["findings"])
     reader["findings"].sort(key=lambda f: f["time"])
-    for name in ("instances", "roles"):
-        reader[name].extend(v for v in writer[name] if v not in reader[name])
-    reader["detectors"].extend(d for d in writer["detectors"] if d not in reader["detectors"])
+    for mine, theirs in (
+        (reader["instances"], writer["instances"]),
+        (reader["roles"], writer["roles"]),
+        (reader["detectors"], writer["detectors"]),
+    ):
+        mine.extend(v for v in theirs if v not in mine)
     reader["peer"] = {"node": writer["node"], "request_id": writer["request_id"],
                       "instance": writer["instance"]}  # fmt: skip
     known = {(s.get("node") or reader["node"], *source_key(s)) for s in reader["sources"]}
     for source in writer["sources"]:
         key = (writer["node"], *source_key(source))
         if source["written_at"] <= read_at and key not in known:
-            reader["sources"].append({**source, "node": writer["node"]})
+            reader["sources"].append(SourceView(**source, node=writer["node"]))
     reader["sources"].sort(key=lambda s: (-s["pages"], source_key(s)))
     reader["exposed"] = len(reader["sources"]) + reader["other_sources"]
 
 
-def _new_incident(row: Finding) -> dict[str, Any]:
+def _new_incident(row: Finding) -> Incident:
     return {
         "id": row.id,
         "node": row.node or "",
@@ -306,7 +384,7 @@ def _new_incident(row: Finding) -> dict[str, Any]:
         "detectors": [],
         "pages_total": 0,
         "findings": [],
-        "sources": {},
+        "sources": [],
         "other_sources": 0,
         "other_source_pages": 0,
         "exposed": 0,
@@ -320,22 +398,27 @@ _SHOWN_FIELDS: Final = (
 )  # fmt: skip
 
 
-def finding_view(finding: Finding) -> dict[str, Any]:
+def finding_view(finding: Finding) -> FindingView:
     """A finding as an incident's views show it (JSON-ready): ``time`` is its ``ts``."""
     view = {name: getattr(finding, "ts" if name == "time" else name) for name in _SHOWN_FIELDS}
     view["sources"] = [structs.asdict(s) for s in finding.sources]
-    return view
+    return view  # type: ignore[return-value]  # the keys of FindingView: _SHOWN_FIELDS
 
 
-def _add_finding(incident: dict[str, Any], finding: Finding) -> None:
+def _add_finding(
+    incident: Incident, sources: dict[tuple[str, str], SourceView], finding: Finding
+) -> None:
     row = finding_view(finding)
     incident["findings"].append(row)
     incident["last_time"] = max(incident["last_time"], row["time"])
     if row["id"] is not None and (incident["id"] is None or row["id"] < incident["id"]):
         incident["id"] = row["id"]
-    for name, value in (("instances", row["instance"]), ("roles", row["role"])):
-        if value and value not in incident[name]:
-            incident[name].append(value)
+    for kept_list, value in (
+        (incident["instances"], row["instance"]),
+        (incident["roles"], row["role"]),
+    ):
+        if value and value not in kept_list:
+            kept_list.append(value)
     if row["detector"] not in incident["detectors"]:
         incident["detectors"].append(row["detector"])
     incident["pages_total"] = max(incident["pages_total"], row["pages_total"])
@@ -345,18 +428,22 @@ def _add_finding(incident: dict[str, Any], finding: Finding) -> None:
     # kept in the finding, but nobody's KV reached the request: no source, not exposed.
     read = not stopped_before_read(row["detail"])
     sourced = read and bool(row["sources"] or row["other_sources"])
-    named = bool(incident["sources"] or incident["other_sources"])
+    named = bool(sources or incident["other_sources"])
     # The reader names the incident: the side whose pages held other requests' KV, else the
     # decode side (which reads what prefill sent), else the first finding's.
     if not named and (sourced or (row["role"] == "decode" != incident["role"])):
-        for name in ("instance", "role", "engine", "engine_version", "model", "producer"):
-            incident[name] = getattr(finding, name)
+        incident["instance"] = finding.instance
+        incident["role"] = finding.role
+        incident["engine"] = finding.engine
+        incident["engine_version"] = finding.engine_version
+        incident["model"] = finding.model
+        incident["producer"] = finding.producer
     if sourced:
         for source in row["sources"]:
             key = source_key(source)
-            kept = incident["sources"].get(key)
+            kept = sources.get(key)
             if kept is None:
-                incident["sources"][key] = dict(source)
+                sources[key] = SourceView(**source)
             else:  # a pair found by several detectors counts its pages once: the most named
                 kept["pages"] = max(kept["pages"], source["pages"])
                 kept["written_at"] = max(kept["written_at"], source["written_at"])
@@ -366,7 +453,7 @@ def _add_finding(incident: dict[str, Any], finding: Finding) -> None:
         )
 
 
-def counts(incidents: list[dict[str, Any]]) -> dict[str, int]:
+def counts(incidents: list[Incident]) -> dict[str, int]:
     """What every view says: ``affected`` requests (incidents) and ``exposed`` requests (the
     distinct sources on their node, and the ones only counted, beyond the 16 an event names)."""
     named = {(s.get("node") or i["node"], *source_key(s)) for i in incidents for s in i["sources"]}
