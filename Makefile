@@ -49,8 +49,8 @@ dist: $(STAMP)
 
 # The edit loop (a few minutes on 2 cores): lint, types, the generated files, and the unit tests
 # that need no real Prometheus, Alertmanager, Chromium or engine (make test runs those too).
-CHECK_WITHOUT := --ignore=tests/kvwatch/test_minipd_e2e.py --ignore=tests/kvwatch/test_pager.py \
-	--ignore=tests/kvwatch/test_statuspage.py -k "not promtool" -m "not slow"
+CHECK_WITHOUT := --ignore=tests/kvwatch/test_minipd_e2e.py --ignore=tests/kvwatch/alerting/test_pager.py \
+	--ignore=tests/kvwatch/expose/test_statuspage.py -k "not promtool" -m "not slow"
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -1,6 +1,6 @@
 """Case 3: kill -9 of an engine process mid-write. The torn tail is detected and counted, every
 complete record is kept. (kill -9 of the daemon during a 100,000-record burst is
-tests/kvwatch/test_kill9.py.)"""
+tests/kvwatch/store/test_kill9.py.)"""
 
 from __future__ import annotations
 

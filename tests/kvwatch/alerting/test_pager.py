@@ -729,7 +729,7 @@ def test_one_notification_for_the_daemon_and_the_rule_and_the_fast_one_first(
     writer.close()
 
 
-TLS = Path(__file__).parent / "tls"
+TLS = Path(__file__).parents[1] / "tls"
 #: bcrypt (cost 4) of "kvwatch-test", for Alertmanager's web config (test-only credentials).
 BCRYPT = "$2b$04$Mksv6INlmQmCrKSCFE1viuXdcx2M6BVH52LAMKun6JjSac7h.F5RK"
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.kvwatch.daemonproc import DaemonProcess
 
-TLS = Path(__file__).parent / "tls"
+TLS = Path(__file__).parents[1] / "tls"
 
 
 def test_metrics_over_tls_require_a_client_certificate(tmp_path: Path) -> None:
