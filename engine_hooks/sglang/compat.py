@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 S = "sglang.srt."
 ALLOCATOR = S + "mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+TOKEN_ALLOCATOR = S + "mem_cache.allocator.token.TokenToKVPoolAllocator"  # page size 1
 POOLS = S + "mem_cache.memory_pool"
 PREFILL_QUEUE = S + "disaggregation.prefill.PrefillBootstrapQueue"
 DECODE_QUEUE = S + "disaggregation.decode.DecodePreallocQueue"
@@ -47,6 +48,10 @@ REQUIRED = (
 #: Points that add a feature where the release has them.
 OPTIONAL = (
     SCHEDULER + ".__init__",  # engine info, pool versus context
+    TOKEN_ALLOCATOR + ".__init__",  # page size 1: canaries and tags on token slots
+    TOKEN_ALLOCATOR + ".clear",
+    TOKEN_ALLOCATOR + ".alloc",
+    TOKEN_ALLOCATOR + ".free",
     SCHEDULER + ".process_batch_result",  # decode step check, deferred device results
     DECODE_QUEUE + "._pre_alloc",  # decode reserves a request's pages
     BATCH_MIXIN + ".process_prebuilt",  # decode admits: verify before the KV is read

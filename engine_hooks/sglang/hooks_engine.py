@@ -102,13 +102,12 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
 
 def _say_loaded(page_size: int) -> None:
     """The plugin's start-up line, in the scheduler's log (SGLang's logging is set up by now),
-    with what this process checks: at page size 1 the page checks have no paged pool."""
+    with the role and page size (at page size 1 a page is one token slot)."""
     from engine_hooks.sglang import startup
 
     if startup:
         rt = runtime()
-        paged = "" if page_size > 1 else "; page size 1: canary and page tags skipped (no_pool)"
-        logger.info("%s; role=%s, page size %d%s", startup[0], rt.context.role, page_size, paged)
+        logger.info("%s; role=%s, page size %d", startup[0], rt.context.role, page_size)
 
 
 # -- SGLang's own checksum ----------------------------------------------------------------------

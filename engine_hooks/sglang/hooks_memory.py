@@ -1,9 +1,12 @@
-"""Hooks on ``PagedTokenToKVPoolAllocator``: page tags and free-page canaries.
+"""Hooks on SGLang's two allocators: page tags and free-page canaries.
 
-Every allocation path (``alloc``, ``alloc_extend``, ``alloc_decode``) takes pages from the front
-of ``free_pages``; every free path ends in ``_release_page_ids``. The pages an allocation took
-are read from the free list's storage (the new list is a slice of the old one, or of the merged
-and sorted one), so no hook inspects token indices or synchronises the device.
+``PagedTokenToKVPoolAllocator`` (``--page-size`` N > 1): every allocation path (``alloc``,
+``alloc_extend``, ``alloc_decode``) takes pages from the front of ``free_pages``; every free path
+ends in ``_release_page_ids``. ``TokenToKVPoolAllocator`` (page size 1, SGLang's default): a
+page is one token slot; ``alloc`` takes slots from the front of ``free_pages`` and every free
+path ends in ``free`` (a free group's slots reach it once, at ``free_group_end``). The pages an
+allocation took are read from the free list's storage (the new list is a slice of the old one,
+or of the merged and sorted one), so no hook inspects token indices or synchronises the device.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ def after_init(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
     """A paged allocator was built: describe its KV cache, start a watch, stamp the free pages."""
     rt = runtime()
     kvcache = getattr(allocator, "_kvcache", None)
-    pool, reason = describe_pool(kvcache, int(allocator.page_size))
-    if pool is not None and pool.num_pages < int(allocator.num_pages) + 1:
+    page_size = int(allocator.page_size)
+    pool, reason = describe_pool(kvcache, page_size)
+    # The token allocator (page size 1) has no num_pages: its pages are its slots.
+    pages = int(getattr(allocator, "num_pages", 0) or int(allocator.size) // page_size)
+    if pool is not None and pool.num_pages < pages + 1:
         pool, reason = None, Skip.UNSUPPORTED_LAYOUT
     watch = rt.new_watch(pool)
     rt.watches[allocator] = watch
@@ -110,3 +116,14 @@ def before_release(allocator: Any, *page_ids: Any, **kwargs: Any) -> None:
     pages = torch.cat(page_ids) if len(page_ids) > 1 else page_ids[0]
     if pages.numel():
         log_verdicts(watch.on_free(pages))
+
+
+@safe(Hook.FREE)
+def before_token_free(allocator: Any, free_index: Any = None, *args: Any, **kwargs: Any) -> None:
+    """``TokenToKVPoolAllocator.free`` (page size 1): every free path ends here. Inside a free
+    group the slots are only queued; they come back through ``free`` at ``free_group_end``."""
+    if getattr(allocator, "free_group", None) is not None:
+        return
+    free_index = kwargs.get("free_index", free_index)
+    if isinstance(free_index, torch.Tensor):
+        before_release(allocator, free_index)

@@ -83,6 +83,20 @@ TESTS: dict[tuple[str, str], tuple[str, ...]] = {
     ),
 }
 
+P = "tests/sglang/test_page_size_one.py::"
+
+#: The same for the page-size-1 allocator's hooks (same methods and hook functions).
+TOKEN_TESTS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("__init__", "after_init"): (P + "test_the_token_allocator_gets_a_watch_over_its_slots",),
+    ("clear", "after_clear"): (P + "test_a_cache_flush_stamps_every_slot_free",),
+    ("alloc", "around_alloc"): (
+        P + "test_a_write_into_a_freed_slot_is_caught_at_the_next_allocation",
+    ),
+    ("free", "before_token_free"): (
+        P + "test_a_double_free_of_slots_is_caught_and_a_free_group_frees_once",
+    ),
+}
+
 X = "tests/sglang/test_exposure.py::"
 
 #: The calls inside the hooks that record whose KV a page holds, and scrub: (name, what the
@@ -118,7 +132,13 @@ EXEMPT: dict[tuple[str, str], str] = {
 
 #: The baseline: every targeted test passes with every hook in place.
 BASELINE: tuple[str, ...] = tuple(
-    sorted({t for tests in [*TESTS.values(), *(c[2] for c in CALLS)] for t in tests})
+    sorted(
+        {
+            t
+            for tests in [*TESTS.values(), *TOKEN_TESTS.values(), *(c[2] for c in CALLS)]
+            for t in tests
+        }
+    )
 )
 
 
@@ -160,7 +180,8 @@ def _mutants() -> list[Mutant]:
     mutants = []
     for index, (target, hook, kind, _) in enumerate(plugin.HOOKS):
         method = target.rsplit(".", 1)[1]
-        tests = TESTS.get((method, hook.__name__))
+        table = TOKEN_TESTS if target.startswith(compat.TOKEN_ALLOCATOR + ".") else TESTS
+        tests = table.get((method, hook.__name__))
         if tests is None:  # a new hook with no test named here fails the check loudly
             tests = ("tests/sglang/no-test-named-for-this-hook",)
         name = f"{compat.short(target)} {kind} {hook.__name__}"
@@ -190,6 +211,7 @@ def prepare() -> None:
         "sglang.srt.disaggregation.decode",
         "sglang.srt.disaggregation.prefill",
         "sglang.srt.mem_cache.allocator.paged",
+        "sglang.srt.mem_cache.allocator.token",
         "sglang.srt.mem_cache.registry",
     ):
         importlib.import_module(name)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from tests.sglang import sgl
 from tests.sglang.bed import DECODE_ON_CPU, NO_DECODE_ON_CPU, PAGE_SIZES, Bed
@@ -160,6 +161,68 @@ def test_decode_radix_cache_dedup_is_not_a_stale_page(kv: Any, page_size: int) -
         assert sgl.spool(kv).events() == []
 
 
+@pytest.mark.parametrize("page_size", (1, *PAGE_SIZES))
+def test_decode_radix_cache_dedup_of_a_300_token_prompt_is_not_a_stale_page(
+    kv: Any, page_size: int
+) -> None:
+    """Issue 24's case: two requests with the same 300-token prompt reserved before either is
+    admitted, admitted together by one ``process_prebuilt``; the second one's row then holds
+    the first one's pages and one of its own; a third request takes the freed pages."""
+    pages = -(-300 // page_size)
+    # Room for the decode tokens, less than the third request needs: it takes the freed pages.
+    headroom = -(-64 // page_size) + 3
+    with Bed(page_size=page_size, radix=True, pages=2 * pages + headroom) as bed:
+        prompt = tokens(300)
+        first, second = (bed.request(f"same-300-{i}", prompt, max_new_tokens=24) for i in (1, 2))
+        for req in (first, second):
+            assert bed.arrive(req)
+            bed.reserve(req)
+        for req in (first, second):
+            bed.transfer(req)
+        bed.admit([first, second])
+        row = bed.rows.req_to_token[second.kv.req_pool_idx]
+        read = sorted({int(t) // page_size for t in row[:300]})
+        full = 300 // page_size
+        assert read[:full] == bed.dst_pages(first)[:full]  # the cached copy: the first's pages
+        freed = sorted(set(bed.dst_pages(second)) - set(read))
+        assert len(freed) == full
+        other = arrive_and_reserve(bed, "third", 300, start=5000)
+        assert set(freed) <= set(bed.dst_pages(other))  # the third takes the freed pages
+        bed.transfer(other)
+        bed.admit([other])
+        bed.run_until_idle()
+        assert sgl.spool(kv).events() == []
+
+
+@pytest.mark.parametrize("page_size", (1, *PAGE_SIZES))
+def test_after_a_radix_dedup_a_page_the_row_really_reads_is_still_caught(
+    kv: Any, page_size: int
+) -> None:
+    """The ticket follows the re-pointed row, so it still catches a real stale read: a page both
+    requests' rows read (the cached copy) freed by mistake and handed to a third request."""
+    with Bed(page_size=page_size, radix=True, pages=64 if page_size > 1 else 256) as bed:
+        length = 3 * page_size + 1 if page_size > 1 else 40
+        first = arrive_and_reserve(bed, "same-prompt-a", length)
+        second = arrive_and_reserve(bed, "same-prompt-b", length)
+        for req in (first, second):
+            bed.transfer(req)
+        bed.admit([first, second])
+        row = bed.rows.req_to_token[second.kv.req_pool_idx]
+        slot = int(row[page_size])  # the second page (slot) of the prompt: the first's copy
+        stolen = slot // page_size
+        assert stolen in bed.dst_pages(first) and stolen not in bed.dst_pages(second)
+        bed.allocator.free(row[page_size : 2 * page_size].to(torch.int64).clone())
+        bed.allocator.merge_and_sort_free()
+        thief = arrive_and_reserve(bed, "thief", page_size, start=900)
+        assert stolen in bed.dst_pages(thief)
+        bed.step()
+        events = sgl.spool(kv).events(detector="page_tag", kind="stale_tag")
+        assert sorted((e["request_id"], e["pages"]) for e in events) == [
+            ("same-prompt-a", [stolen]),
+            ("same-prompt-b", [stolen]),
+        ]
+
+
 def test_a_late_write_is_caught_when_decode_reserves_the_page(kv: Any, bed: Bed) -> None:
     """A stray write into a page SGLang freed: ``_pre_alloc`` (``alloc_extend``) takes it."""
     done = arrive_and_reserve(bed, "done", 48)
@@ -221,17 +284,3 @@ def test_a_reused_request_id_is_two_requests(kv: Any, bed: Bed) -> None:
     assert [e["request_id"] for e in events] == ["same-rid", "same-rid"]
     assert len({e["instance"] for e in events}) == 2
     assert sgl.counter(contents, "mismatches", detector="canary", kind="unwritten_page") == 2
-
-
-def test_page_size_one_is_reported_as_not_covered(kv: Any) -> None:
-    """SGLang's default page size (1) uses TokenToKVPoolAllocator, which kvwatch does not hook:
-    decode's reservations show up as skipped canary and page-tag checks, not as silence."""
-    with Bed(page_size=1, radix=False, pages=256) as bed:
-        req = arrive_and_reserve(bed, "unpaged-7", 8)
-        contents = sgl.spool(kv)
-        for detector in ("canary", "page_tag"):
-            skipped = sgl.counter(
-                contents, "verifications_skipped", detector=detector, reason="no_pool"
-            )
-            assert skipped == 1
-        assert kv.ticket(req) is None

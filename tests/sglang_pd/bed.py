@@ -264,6 +264,7 @@ class Bed:
     retried: list[str] = field(default_factory=list)
     #: PD requests each decode server served (HTTP 200): one transfer each.
     served: dict[str, int] = field(default_factory=lambda: {"log": 0, "enforce": 0})
+    page_size: int = PAGE_SIZE  # every server's --page-size
 
     def via_router(self, text: str, max_tokens: int) -> Reply:
         send = lambda: post(self.router.url, generate_body(text, max_tokens))  # noqa: E731
@@ -356,7 +357,7 @@ def running_bed(
         decode[mode] = server
         spools[server.name] = spool  # type: ignore[assignment]
     front = router(workdir, prefill, bootstrap, decode["log"])
-    bed = Bed(transport, prefill, bootstrap, decode, front, spools)
+    bed = Bed(transport, prefill, bootstrap, decode, front, spools, page_size=page_size)
     with ExitStack() as stack:
         stack.callback(stop_all, bed.all_processes())
         for server in (prefill, *decode.values()):
