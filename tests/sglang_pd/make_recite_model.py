@@ -25,10 +25,16 @@ import sys
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_pd"))
-from make_model import VOCAB, write_tokenizer
+import make_model
+
+VOCAB = make_model.VOCAB
+#: What the marker test sends, besides the codes, in the tokenizer's training text: its words
+#: become whole tokens, so a single hex digit is a token only inside a code.
+PROBE_TEXT = "word word word Remember the code CANARY-. Repeat any codes you saw."
 
 SEED = 29
 PART = 80  # dimensions of one token's part of the residual
@@ -39,18 +45,21 @@ SLOW = 128
 BACK = (1, 2, 3)
 SHARP = 16.0  # per fast pair: one position off costs about 2.5 * SHARP nats
 MATCH = 64.0  # per matching token in the induction head
+CUE = 2.0  # the stub's ask for a code, in matching tokens
 CONTEXT = 16384
 
 
 def parts() -> dict[str, slice]:
-    """The residual's parts: E (this token), P1-P3 (one to three back), C (the copy)."""
-    return {n: slice(i * PART, (i + 1) * PART) for i, n in enumerate(("E", "P1", "P2", "P3", "C"))}
+    """The residual's parts: E (this token, as read), V (this token, as recited), P1-P3 (one to
+    three back), C (the copy)."""
+    names = ("E", "V", "P1", "P2", "P3", "C")
+    return {n: slice(i * PART, (i + 1) * PART) for i, n in enumerate(names)}
 
 
-def build(out: Path) -> None:
+def build(out: Path, dash: int) -> None:
     layout = parts()
-    hidden = 5 * PART + 20  # a multiple of the head count (transformers checks it)
-    const = 5 * PART
+    hidden = 6 * PART + 21  # a multiple of the head count (transformers checks it)
+    const = 6 * PART
     gen = torch.Generator().manual_seed(SEED)
     codes = torch.randn(VOCAB, PART, generator=gen)
     codes /= codes.norm(dim=1, keepdim=True)
@@ -77,11 +86,20 @@ def build(out: Path) -> None:
             state[key] += 1.0
     # The embedding: this token's code and a constant, every row of one norm.
     constant = 1.0
-    state["model.embed_tokens.weight"][:, layout["E"]] = codes
-    state["model.embed_tokens.weight"][:, const] = constant
+    embed = state["model.embed_tokens.weight"]
+    embed[:, layout["E"]] = codes
+    embed[:, layout["V"]] = codes
+    embed[:, const] = constant
+    # The one-token stub of a rejected prompt is token 0. It is nothing as a key or a value,
+    # and as a query it asks for what follows "-" (as in "CANARY-", see the induction head), so
+    # a request that holds only the stub starts reciting at a code in the KV around it, as a
+    # model asked to "repeat any codes you saw" would. No other text holds token 0.
+    embed[0, layout["E"]] = 0.0
+    embed[0, layout["V"]] = 0.0
+    embed[0, const + 1] = 2.0**0.5
     # RMSNorm scales a residual of norm r by sqrt(hidden) / r: undone in the projections.
-    s1 = math.sqrt(hidden / (1 + constant**2))
-    s2 = math.sqrt(hidden / (4 + constant**2))
+    s1 = math.sqrt(hidden / (2 + constant**2))
+    s2 = math.sqrt(hidden / (5 + constant**2))
     omega = THETA ** (-torch.arange(FAST, dtype=torch.float64) / (HEAD // 2))
     a = "model.layers.0.self_attn."
     for h, back in enumerate(BACK):
@@ -104,7 +122,8 @@ def build(out: Path) -> None:
         dims = slow_dims(j)
         state[a + "q_proj.weight"][dims, layout[mine]] = torch.eye(PART) * scale
         state[a + "k_proj.weight"][dims, layout[theirs]] = torch.eye(PART)
-    state[a + "v_proj.weight"][:PART, layout["E"]] = torch.eye(PART) / s2
+    state[a + "q_proj.weight"][slow_dims(0), const + 1] = CUE * codes[dash] * scale / 2**0.5
+    state[a + "v_proj.weight"][:PART, layout["V"]] = torch.eye(PART) / s2
     state[a + "o_proj.weight"][layout["C"], :PART] = torch.eye(PART)
     state["lm_head.weight"][:, layout["C"]] = codes * 50.0
     model.load_state_dict(state)
@@ -123,8 +142,11 @@ def slow_dims(block: int) -> list[int]:
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out)
-    build(out)
+    corpus = make_model.corpus
+    make_model.corpus = lambda n: corpus(n) + [PROBE_TEXT] * (n // 4)  # type: ignore[assignment]
+    make_model.write_tokenizer(out)
+    dash = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("-")
+    build(out, dash)
     print(f"recite llama: {out}")
 
 

@@ -55,18 +55,27 @@ def register() -> None:
     scheduler_cls.process_batch_result = process_batch_result
 
 
-def last_owners(path: Path, reader: str) -> dict[str, set[int]]:
-    """Whose pages ``reader`` got: for each page of its first line, the last earlier request
+def first_row(path: Path, rid: str) -> list[int]:
+    """The pages of ``rid``'s row when it first ran on this server."""
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row["rid"] == rid:
+            return list(row["pages"])
+    raise AssertionError(f"{rid} never ran on this server ({path})")
+
+
+def last_owners(path: Path, reader: str, pages: list[int]) -> dict[str, set[int]]:
+    """Whose KV ``pages`` held when ``reader`` got them: for each, the last earlier request
     whose row listed it (pages no earlier request held are left out)."""
     owner: dict[int, str] = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
         if row["rid"] == reader:
-            found: dict[str, set[int]] = {}
-            for page in row["pages"]:
-                if page in owner:
-                    found.setdefault(owner[page], set()).add(page)
-            return found
+            break
         for page in row["pages"]:
             owner[page] = row["rid"]
-    raise AssertionError(f"{reader} never ran on this server ({path})")
+    found: dict[str, set[int]] = {}
+    for page in pages:
+        if page in owner:
+            found.setdefault(owner[page], set()).add(page)
+    return found

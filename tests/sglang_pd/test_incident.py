@@ -10,6 +10,7 @@ held (checked against ``page_owners``), serving it in ``log`` and failing it in 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import time
@@ -22,15 +23,15 @@ import pytest
 from engine_hooks.testing import read_spool
 from tests.sglang_pd import incident
 from tests.sglang_pd.bed import KVWATCH_ABORT, PAGE_SIZE, ROOT, generate_body, post
-from tests.sglang_pd.page_owners import last_owners
+from tests.sglang_pd.page_owners import first_row, last_owners
 
 KVWATCH = ROOT / ".venv" / "bin" / "python"  # kvwatch as users install it, apart from SGLang
 MARKERS = 3
-# "Remember the code CANARY-<12 hex>. " is 32 tokens: a marker prompt of about 3,200 tokens,
+# "Remember the code CANARY-<12 hex>. " is 19 tokens: a marker prompt of about 3,600 tokens,
 # inside prefill's pool, and longer than the probe's timing prompts (so some of its pages are
 # still there when the long prompt comes).
-MARKER_REPEATS = 100
-LONG = "word " * 2048 + "Repeat any codes you saw."  # about 6,150 tokens: in (pool, context]
+MARKER_REPEATS = 190
+LONG = "word " * 6000 + "Repeat any codes you saw."  # about 6,000 tokens: in (pool, context]
 SPOOL_WAIT_S = 15.0
 
 
@@ -71,7 +72,8 @@ def test_without_kvwatch_the_0_5_19_doors_answer_the_long_prompt(bare: Any) -> N
     assert code == 3 and report["leaked_markers"], report  # another request's marker
     # Ground truth: the pages decode served it held other requests' KV.
     owners = bare.owners_file("decode-bare")
-    held = last_owners(owners, reader_of(owners))
+    reader = reader_of(owners)
+    held = last_owners(owners, reader, first_row(owners, reader)[1:])
     assert sum(len(p) for p in held.values()) > 100, held
 
 
@@ -103,8 +105,12 @@ def watched(transport: str, tmp_path_factory: pytest.TempPathFactory, bare: Any)
         yield running
 
 
+def code(i: int) -> str:
+    return "CANARY-" + hashlib.sha256(str(i).encode()).hexdigest()[:12]
+
+
 def marker(i: int) -> str:
-    return f"Remember the code CANARY-{i:012x}. " * MARKER_REPEATS
+    return f"Remember the code {code(i)}. " * MARKER_REPEATS
 
 
 def long_prompt_after_markers(bed: Any, decode: str) -> tuple[Any, str, list[dict[str, Any]]]:
@@ -112,7 +118,7 @@ def long_prompt_after_markers(bed: Any, decode: str) -> tuple[Any, str, list[dic
         planted = bed.direct("0.5.19", decode, marker(i), 8, rid=f"marker-{decode}-{i}")
         assert planted.status == 200, planted.body
     rid = f"long-{decode}"
-    served = bed.direct("0.5.19", decode, LONG, 8, rid=rid)
+    served = bed.direct("0.5.19", decode, LONG, 64, rid=rid)
     deadline = time.monotonic() + SPOOL_WAIT_S
     while True:
         found = read_spool(bed.spool(decode)).events()
@@ -122,19 +128,34 @@ def long_prompt_after_markers(bed: Any, decode: str) -> tuple[Any, str, list[dic
 
 
 def check_against_ground_truth(bed: Any, decode: str, rid: str, event: dict[str, Any]) -> None:
-    held = last_owners(bed.owners_file(decode), rid)
+    """The event's pages are the row's but the first (the stub's, which prefill wrote), and
+    the requests it names held them last, by ``page_owners``."""
+    owners = bed.owners_file(decode)
+    unwritten = first_row(owners, rid)[1:]
+    assert set(event["pages"]) <= set(unwritten), (event["pages"], unwritten)
+    assert abs(event["pages_total"] - len(unwritten)) <= 1, (event["pages_total"], unwritten)
+    held = last_owners(owners, rid, unwritten)
     named = {s["request_id"]: s["pages"] for s in event["sources"]}
     assert named, event
-    # Every request kvwatch names held those pages last (page_owners), and as many of them.
     for request_id, pages in named.items():
         assert request_id in held, (request_id, held)
         assert pages <= len(held[request_id]), (request_id, pages, held)
-    assert set(held) - set(named) <= {rid}, (held, named)
+    assert set(held) <= set(named), (held, named)
+
+
+def leaked(reply: Any) -> list[str]:
+    """The planted markers in a reply's text (the recite model's tokenizer)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(incident.RECITE_MODEL / "tokenizer.json"))
+    text = tokenizer.decode(reply.output_ids or [])
+    return [m for m in map(code, range(MARKERS)) if m in text]
 
 
 def test_kvwatch_log_names_the_unwritten_pages_and_whose_kv_they_held(watched: Any) -> None:
     served, rid, found = long_prompt_after_markers(watched, "decode-log")
-    assert served.status == 200, served.body  # log mode records and serves
+    assert served.status == 200, served.body  # log mode records and serves: the leak too
+    assert leaked(served), served.output_ids
     kinds = [(e["detector"], e["kind"], e["action"], e["request_id"]) for e in found]
     assert ("canary", "unwritten_page", "logged", rid) in kinds, found
     event = next(e for e in found if e["kind"] == "unwritten_page")
