@@ -13,8 +13,14 @@ into text, as a real model does when asked to repeat codes. This one does it by 
   three tokens before it, the value its own token. So the next token is what followed the same
   three tokens wherever they occur in the KV: written by this request or left by another.
 - No MLP (zero down projections); the output head reads the copied token only.
+- Token 0, the one-token stub SGLang puts in place of a rejected prompt, is nothing as a key or
+  a value; as a query it asks for what follows "-": a request holding only the stub starts
+  reciting at a code ("CANARY-...") in whatever KV its pages hold.
 
-Usage: python make_recite_model.py OUT_DIR (the tokenizer is make_model.py's, same seed).
+The tokenizer is make_model.py's, trained with the marker test's words added (so a single hex
+digit is a token only inside a code).
+
+Usage: python make_recite_model.py OUT_DIR
 """
 
 from __future__ import annotations
