@@ -84,8 +84,13 @@ def test_smg_answers_with_prefill_s_400_while_decode_serves_it(bare: Any) -> Non
     before = owners.read_text().count("\n")
     served = post(bare.routers["0.5.19"].url, generate_body(LONG, 8))
     assert served.status == 400, served
-    rows = [json.loads(line) for line in owners.read_text().splitlines()[before:]]
-    assert any(len(r["pages"]) * PAGE_SIZE > incident.PREFILL_POOL for r in rows), rows
+    deadline = time.monotonic() + SPOOL_WAIT_S
+    while True:  # decode may run it after the router answered
+        rows = [json.loads(line) for line in owners.read_text().splitlines()[before:]]
+        if any(len(r["pages"]) * PAGE_SIZE > incident.PREFILL_POOL for r in rows):
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.5)
 
 
 def test_with_0_5_23_doors_the_long_prompt_is_refused_with_400(bare: Any) -> None:
