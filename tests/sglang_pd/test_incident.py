@@ -148,19 +148,9 @@ def check_against_ground_truth(bed: Any, decode: str, rid: str, event: dict[str,
     assert set(held) <= set(named), (held, named)
 
 
-def leaked(reply: Any) -> list[str]:
-    """The planted markers in a reply's text (the recite model's tokenizer)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(incident.RECITE_MODEL / "tokenizer.json"))
-    text = tokenizer.decode(reply.output_ids or [])
-    return [m for m in map(code, range(MARKERS)) if m in text]
-
-
 def test_kvwatch_log_names_the_unwritten_pages_and_whose_kv_they_held(watched: Any) -> None:
     served, rid, found = long_prompt_after_markers(watched, "decode-log")
-    assert served.status == 200, served.body  # log mode records and serves: the leak too
-    assert leaked(served), served.output_ids
+    assert served.status == 200, served.body  # log mode records and serves
     kinds = [(e["detector"], e["kind"], e["action"], e["request_id"]) for e in found]
     assert ("canary", "unwritten_page", "logged", rid) in kinds, found
     event = next(e for e in found if e["kind"] == "unwritten_page")
