@@ -81,9 +81,9 @@ class Deployment:
             return served.result()
 
     def fire_and_forget(self, release: str) -> str:
-        """A front that sends prefill its copy and answers with decode's reply alone, as the
-        incident's router did for requests without logprobs (smg 1.13 waits for prefill and
-        answers with its status: see README.md). Serves on a free port; returns its URL."""
+        """A front that sends prefill its copy and answers with decode's reply alone, as
+        SGLang's earlier router (sgl-router) did for requests without logprobs (smg 1.13 waits
+        for prefill and answers with its status: see README.md). Returns its URL."""
         prefill, decode = self.prefills[release], self.decodes["bare"]
 
         class Front(BaseHTTPRequestHandler):
