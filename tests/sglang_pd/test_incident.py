@@ -97,7 +97,7 @@ def test_with_0_5_23_s_own_code_the_long_prompt_is_refused_with_400(bare: Any) -
     # One request, not the whole probe: the stage's time budget (the probe's exit 0 on this
     # answer is tests/e2e/test_probe.py's).
     served = post(bare.routers["0.5.23"].url, generate_body(LONG, 8))
-    assert served.status == 400 and "exceeds the maximum allowed length" in served.body, served
+    assert served.status == 400, served
 
 
 @pytest.fixture(scope="module")
