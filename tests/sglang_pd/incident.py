@@ -156,7 +156,9 @@ def deployment(transport: str, workdir: Path, *, kvwatch: bool) -> Iterator[Depl
     assert only_loopback(), "run the bed inside a loopback-only netns (tests/sglang_pd/run.sh)"
     if kvwatch:
         prefills = {"0.5.19": _prefill(workdir, transport, "0.5.19", kvwatch=True)}
-        decodes = {m: _decode(workdir, transport, f"decode-{m}", m) for m in ("log", "enforce")}
+        decodes = {
+            f"decode-{m}": _decode(workdir, transport, f"decode-{m}", m) for m in ("log", "enforce")
+        }
     else:
         prefills = {r: _prefill(workdir, transport, r, kvwatch=False) for r in ("0.5.19", "0.5.23")}
         decodes = {"bare": _decode(workdir, transport, "decode-bare", None)}
