@@ -98,7 +98,7 @@ vllm-pd-test: $(STAMP)
 # A real SGLang 0.5.23 PD deployment on CPU: prefill, decode (log and enforce) and the smg router
 # over Mooncake (TCP) and NIXL, kvwatch loaded by SGLang in every scheduler, inside a
 # loopback-only network namespace (root). Venv and tiny model cached under build/.
-sglang-pd-test:
+sglang-pd-test: $(STAMP)
 	bash tests/sglang_pd/run.sh
 
 test: tools lint typecheck unit sglang-test mutation-sglang vllm-test mutation-vllm vllm-pd-test \

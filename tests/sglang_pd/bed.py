@@ -371,15 +371,19 @@ def running_bed(
 
 
 def warm_router(bed: Bed) -> None:
+    serving(bed.router)
+    bed.served["log"] += 1
+
+
+def serving(front: Process) -> None:
     """The router accepts its workers after its first health pass (up to about 60 s)."""
     deadline = time.monotonic() + ROUTER_TIMEOUT_S
     last = ""
     while time.monotonic() < deadline:
-        bed.router.alive()
-        reply = post(bed.router.url, generate_body("warm the router", 2))
+        front.alive()
+        reply = post(front.url, generate_body("warm the router", 2))
         if reply.status == 200:
-            bed.served["log"] += 1
             return
         last = reply.body
         time.sleep(3.0)
-    raise TimeoutError(f"router never served: {last}\n{bed.router.tail(20)}")
+    raise TimeoutError(f"router never served: {last}\n{front.tail(20)}")

@@ -10,6 +10,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 export SGLANG_VENV="$ROOT/build/sglang-pd-venv"
 MODEL="$ROOT/build/sglang-pd-model"
+RECITE="$ROOT/build/sglang-pd-recite-model"
 PY="$SGLANG_VENV/bin/python"
 STAMP="$SGLANG_VENV/.kvwatch-pd-stamp"
 
@@ -41,12 +42,14 @@ echo "$HERE/stubs" > "$SITE/kvwatch-pd-stubs.pth"
 SHIM="$SITE/kvwatch_sglang_pd_cpu_bed-0.0.0.dist-info"
 mkdir -p "$SHIM"
 printf 'Metadata-Version: 2.1\nName: kvwatch-sglang-pd-cpu-bed\nVersion: 0.0.0\n' > "$SHIM/METADATA"
-printf '[sglang.srt.plugins]\ncpu_bed = tests.sglang_pd.cpu_shims:register\ncorrupt_after_seal = tests.sglang_pd.corrupter:register\n' \
+printf '[sglang.srt.plugins]\ncpu_bed = tests.sglang_pd.cpu_shims:register\ncorrupt_after_seal = tests.sglang_pd.corrupter:register\nadmit_0_5_19 = tests.sglang_pd.release_0_5_19:register\npage_owners = tests.sglang_pd.page_owners:register\n' \
     > "$SHIM/entry_points.txt"
 
 want="$(cat "${BASH_SOURCE[0]}" "$HERE/requirements.txt" "$ROOT/tests/vllm_pd/make_model.py" \
+    "$HERE/make_recite_model.py" \
     | sha256sum | cut -c1-16)"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -f "$MODEL/model.safetensors" ]]; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -f "$MODEL/model.safetensors" \
+    && -f "$RECITE/model.safetensors" ]]; then
     echo "sglang-pd-test env: cached ($SGLANG_VENV)"
     exit 0
 fi
@@ -55,6 +58,9 @@ echo "sglang-pd-test env: adding the transfer engines and the router"
 rm -rf "$MODEL"
 # The vLLM bed's tiny Llama (made here, nothing downloaded): one model for both real beds.
 (cd / && "$PY" -W ignore "$ROOT/tests/vllm_pd/make_model.py" "$MODEL")
+# The marker test's model: weights that recite what its KV holds (make_recite_model.py).
+rm -rf "$RECITE"
+(cd / && "$PY" -W ignore "$HERE/make_recite_model.py" "$RECITE")
 (cd / && "$PY" -W ignore - <<'PYEOF'
 import shutil
 from mooncake.engine import TransferEngine  # noqa: F401  (engine.so and its libraries)

@@ -1,0 +1,185 @@
+"""The incident's deployment for tests/sglang_pd: a prefill pool smaller than the context.
+
+Prefill holds :data:`PREFILL_POOL` tokens and advertises :data:`CONTEXT`: a prompt between the
+two passes the context check and is rejected at prefill's intake (a one-token stub, ``to_finish``
+set). Decode's pool holds the whole context, so decode reserves pages for the whole prompt.
+With 0.5.19's admission doors (``release_0_5_19``, the ``admit_0_5_19`` plugin) the rejected
+request goes on: prefill transfers the stub's one page and decode reads all the pages it
+reserved, the rest holding what their last owner left there. With 0.5.23's own doors it is
+refused (400). ``page_owners`` on every decode records which request's row held each page: the
+ground truth that kvwatch's findings are checked against.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from tests.sglang_pd.bed import (
+    ROOT,
+    START_TIMEOUT_S,
+    Process,
+    Reply,
+    generate_body,
+    only_loopback,
+    post,
+    router,
+    serving,
+    sglang_server,
+    stop_all,
+)
+
+PREFILL_POOL = 4096
+CONTEXT = 8192
+DECODE_POOL = 16384
+#: The model that recites what its KV holds (make_recite_model.py): a marker in the KV a
+#: request reads comes back in its text.
+RECITE_MODEL = ROOT / "build" / "sglang-pd-recite-model"
+SIZES = ["--model-path", str(RECITE_MODEL), "--context-length", str(CONTEXT)]
+
+
+@dataclass
+class Prefill:
+    server: Process
+    bootstrap: int
+
+
+@dataclass
+class Deployment:
+    transport: str
+    workdir: Path
+    prefills: dict[str, Prefill]  # by release: "0.5.19" (the overlay), "0.5.23"
+    decodes: dict[str, Process]  # by name
+    routers: dict[str, Process]  # by release
+    fronts: list[ThreadingHTTPServer] = field(default_factory=list)
+
+    def owners_file(self, decode: str) -> Path:
+        return self.workdir / f"owners-{decode}.jsonl"
+
+    def spool(self, name: str) -> Path:
+        return self.workdir / f"spool-{name}"
+
+    def direct(self, release: str, decode: str, text: str, max_tokens: int, rid: str) -> Reply:
+        """One PD request the way the router sends it: the same body to prefill and decode."""
+        prefill = self.prefills[release]
+        body = with_room(generate_body(text, max_tokens, rid), prefill)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, prefill.server.url, body)
+            served = pool.submit(post, self.decodes[decode].url, body)
+            first.result()
+            return served.result()
+
+    def fire_and_forget(self, release: str) -> str:
+        """A front that sends prefill its copy and answers with decode's reply alone, as
+        SGLang's earlier router (sgl-router) did for requests without logprobs (smg 1.13 waits
+        for prefill and answers with its status: see README.md). Returns its URL."""
+        prefill, decode = self.prefills[release], self.decodes["bare"]
+
+        class Front(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = with_room(json.loads(raw), prefill)
+                threading.Thread(target=post, args=(prefill.server.url, body), daemon=True).start()
+                served = requests.post(decode.url + self.path, json=body, timeout=600)
+                self.send_response(served.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(served.content)))
+                self.end_headers()
+                self.wfile.write(served.content)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        front = ThreadingHTTPServer(("127.0.0.1", 0), Front)
+        threading.Thread(target=front.serve_forever, daemon=True).start()
+        self.fronts.append(front)
+        return f"http://127.0.0.1:{front.server_address[1]}"
+
+    def processes(self) -> list[Process]:
+        servers = [p.server for p in self.prefills.values()]
+        return [*servers, *self.decodes.values(), *self.routers.values()]
+
+
+def with_room(body: dict[str, Any], prefill: Prefill) -> dict[str, Any]:
+    """The body with prefill's bootstrap address and a fresh room (what a PD router adds)."""
+    return body | {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.bootstrap,
+        "bootstrap_room": random.getrandbits(62),
+    }
+
+
+def _prefill(workdir: Path, transport: str, release: str, kvwatch: bool) -> Prefill:
+    plugins = ["kvwatch"] if kvwatch else []
+    plugins += ["cpu_bed"] + (["admit_0_5_19"] if release == "0.5.19" else [])
+    server, _, bootstrap = sglang_server(
+        f"prefill-{release}",
+        workdir,
+        role="prefill",
+        transport=transport,
+        plugins=",".join(plugins),
+        extra=[*SIZES, "--max-total-tokens", str(PREFILL_POOL)],
+    )
+    return Prefill(server, bootstrap)
+
+
+def _decode(workdir: Path, transport: str, name: str, mode: str | None) -> Process:
+    plugins = (["kvwatch"] if mode else []) + ["cpu_bed", "page_owners"]
+    server, _, _ = sglang_server(
+        name,
+        workdir,
+        role="decode",
+        transport=transport,
+        mode=mode or "off",
+        plugins=",".join(plugins),
+        extra=[*SIZES, "--max-total-tokens", str(DECODE_POOL)],
+    )
+    server.env["KVWATCH_BED_OWNERS"] = str(workdir / f"owners-{name}.jsonl")
+    return server
+
+
+@contextmanager
+def deployment(transport: str, workdir: Path, *, kvwatch: bool) -> Iterator[Deployment]:
+    """Without kvwatch: a 0.5.19 and a 0.5.23 prefill, one decode, a router for each release.
+    With kvwatch (log on prefill): the 0.5.19 prefill, a log and an enforce decode, no router."""
+    assert only_loopback(), "run the bed inside a loopback-only netns (tests/sglang_pd/run.sh)"
+    if kvwatch:
+        prefills = {"0.5.19": _prefill(workdir, transport, "0.5.19", kvwatch=True)}
+        decodes = {
+            f"decode-{m}": _decode(workdir, transport, f"decode-{m}", m) for m in ("log", "enforce")
+        }
+    else:
+        prefills = {r: _prefill(workdir, transport, r, kvwatch=False) for r in ("0.5.19", "0.5.23")}
+        decodes = {"bare": _decode(workdir, transport, "decode-bare", None)}
+    routers = {}
+    if not kvwatch:
+        for release, prefill in prefills.items():
+            front = router(workdir, prefill.server, prefill.bootstrap, decodes["bare"])
+            front.name = f"router-{release}"
+            routers[release] = front
+    bed = Deployment(transport, workdir, prefills, decodes, routers)
+    with ExitStack() as stack:
+        stack.callback(stop_all, bed.processes())
+        stack.callback(lambda: [front.shutdown() for front in bed.fronts])
+        servers = [*[p.server for p in prefills.values()], *decodes.values()]
+        for server in servers:
+            server.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in servers:
+            server.wait_ready(deadline)
+        for front in routers.values():
+            front.start()
+        for front in routers.values():
+            serving(front)
+        yield bed
