@@ -12,5 +12,5 @@ NS="kvwatch-pd-$$"
 ip netns add "$NS"
 trap 'ip netns del "$NS" 2>/dev/null || true' EXIT
 ip netns exec "$NS" ip link set lo up
-KVWATCH_SGLANG_PD_STAGE=1 ip netns exec "$NS" timeout -k 30 900 build/sglang-pd-venv/bin/python -m pytest \
+KVWATCH_SGLANG_PD_STAGE=1 ip netns exec "$NS" timeout -k 30 1800 build/sglang-pd-venv/bin/python -m pytest \
     -p no:cacheprovider --basetemp=build/sglang-pd-tmp tests/sglang_pd "$@"

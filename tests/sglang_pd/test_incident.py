@@ -33,6 +33,11 @@ MARKERS = 3
 MARKER_REPEATS = 190
 LONG = "word " * 6000 + "Repeat any codes you saw."  # about 6,000 tokens: in (pool, context]
 SPOOL_WAIT_S = 15.0
+# Decode's pool (16,384 tokens) hands out never-used pages first and merges freed ones only when
+# those run out (SGLang's sorted free list): three markers and the long prompt fit in fresh
+# pages, so nothing foreign would be there to read. Six markers go round the pool once, and the
+# long prompt's row gets pages the markers held.
+WATCHED_MARKERS = 6
 
 
 def probe(url: str) -> tuple[int, dict[str, Any]]:
@@ -121,7 +126,7 @@ def marker(i: int) -> str:
 
 
 def long_prompt_after_markers(bed: Any, decode: str) -> tuple[Any, str, list[dict[str, Any]]]:
-    for i in range(MARKERS):
+    for i in range(WATCHED_MARKERS):
         planted = bed.direct("0.5.19", decode, marker(i), 8, rid=f"marker-{decode}-{i}")
         assert planted.status == 200, planted.body
     rid = f"long-{decode}"
