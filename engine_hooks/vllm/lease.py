@@ -69,11 +69,16 @@ class _Expired:
     remote_reads: int
     #: Every request (id, instance) that wrote into the sent blocks since the expiry.
     takers: dict[tuple[str, str], _Taker] = field(default_factory=dict)
+    #: The sent blocks as a set, built once: :meth:`took` runs for every write of every step.
+    watched: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.watched = frozenset(self.sent.blocks)
 
     def took(self, request_id: str, instance: str, blocks: Sequence[int], at: float) -> None:
         if request_id == self.request_id:
             return
-        hit = set(self.sent.blocks).intersection(blocks)
+        hit = self.watched.intersection(blocks)
         if hit:
             taker = self.takers.setdefault((request_id, instance), _Taker(set(), at))
             taker.blocks |= hit
