@@ -240,6 +240,9 @@ class PageTags(Detector):
     DOUBLE_FREE = KIND.check("double_free")
     #: The writer's side: pages it sent were freed before the remote read was confirmed.
     FREED_BEFORE_READ = KIND.check("freed_before_read")
+    #: The reader's side: an aborted transfer's pages, freed before its writes were known to
+    #: have stopped, were taken by other requests (a late write lands in their KV).
+    FREED_BEFORE_DRAIN = KIND.check("freed_before_drain")
 
     def __init__(self, state: PageState, stats: Stats, mode: Mode) -> None:
         super().__init__(stats, mode)
@@ -357,6 +360,8 @@ EXPOSING_KINDS = frozenset(
         TransferChecksum.PAGE_COUNT,
         # The sent request's remote reader may read what the requests that took them wrote.
         PageTags.FREED_BEFORE_READ,
+        # The takers may read what the aborted request's late writes put in their pages.
+        PageTags.FREED_BEFORE_DRAIN,
     }
 )
 

@@ -59,6 +59,7 @@ class Kind(StrEnum):
     DOUBLE_FREE = "double_free"
     ABORTED_ADMITTED = "aborted_admitted"
     FREED_BEFORE_READ = "freed_before_read"
+    FREED_BEFORE_DRAIN = "freed_before_drain"
     OTHER = OTHER
 
 

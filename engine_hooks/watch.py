@@ -48,6 +48,8 @@ whose guard counts a failure; every label from :mod:`engine_hooks.labels`):
 ``verified(detector, n)``          an engine's own detector verified ``n`` requests
 ``engine_finding(...)``            an engine's own detector found a mismatch: its event
 ``hook_failed(hook)``              an adapter's hook failed (its guard caught it)
+``freed_before_read(...)``         a sent request's pages freed before its remote read
+``freed_before_drain(freed)``      an aborted transfer's pages freed before its writes stopped
 ``counter(name, *labels)``         a counter now; ``hook_seconds()``, time in each hook
 =================================  ===========================================================
 """
@@ -86,6 +88,7 @@ from engine_hooks.reporting import Reporter, stopped
 from engine_hooks.rows import SealRows
 from engine_hooks.scrub import Scrub
 from engine_hooks.spool import SpoolWriter
+from engine_hooks.takers import Takers
 from engine_hooks.tickets import RequestKeys, Ticket, instances_of, new_instance, owners_of
 from kvspool.catalogue import HOOKED_DETECTORS
 from kvspool.records import Source
@@ -397,6 +400,34 @@ class KVWatch:
         if not exposed.sources and not exposed.other_sources:
             return None  # nobody took them (yet): nothing foreign for the reader to read
         return self._reporter.report(exposed, exposed=takers is not None)
+
+    @_hook(Hook.FREE, list)
+    def freed_before_drain(
+        self, freed: Takers, detail: Mapping[str, int | str] | None = None
+    ) -> list[Verdict]:
+        """The reader's side of an aborted transfer released on a timeout: ``freed``'s request
+        had its pages freed before its writer confirmed that its writes into them had stopped,
+        and ``freed.takers`` took them since. One finding per taker (``page_tag``
+        ``freed_before_drain``, the taker the reader: a late write puts the aborted request's
+        KV in its pages), with the aborted request as its source; logged in every mode
+        (nothing shows whether a late write came: the taker is named, not failed)."""
+        if self._tags is None or not self._tags.active():
+            return []
+        mode = Mode.LOG if self._tags.mode is Mode.ENFORCE else self._tags.mode
+        common = {**(detail or {}), "freed_at_ms": int(freed.since * 1000)}
+        out = []
+        for (rid, instance), taker in freed.takers.items():
+            pages = tuple(sorted(taker.pages))
+            detail = {**common, "taken_at_ms": int(taker.first_at * 1000)}
+            verdict = Verdict(
+                PageTags.name, rid, False, PageTags.FREED_BEFORE_DRAIN, pages, mode, detail,
+                instance,
+            )  # fmt: skip
+            source = Source(
+                request_id=freed.request_id, pages=len(pages), instance=freed.instance or None
+            )
+            out.append(self._reporter.report(self._reporter.named(verdict, [source]), exposed=True))
+        return out
 
     @_hook(Hook.STEP, list)
     def check_step(self, ticket: Ticket, *, before_read: bool = False) -> list[Verdict]:

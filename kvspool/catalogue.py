@@ -85,6 +85,9 @@ KIND: Final = _label(
         "freed_before_read": "a sent request's pages were freed (and may be taken by other"
         " requests) before its remote reader's read was confirmed: the writer's side of a"
         " lease that expired",
+        "freed_before_drain": "an aborted transfer's pages were freed on a timeout, before its"
+        " writer confirmed that its writes into them had stopped, and other requests took them:"
+        " a late write may put the aborted request's KV in theirs",
     },
 )
 SKIP_REASON: Final = _label(

@@ -13,6 +13,7 @@ record naming its successor.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -192,7 +193,13 @@ class SpoolWriter:
             if self._own_segments() >= self.max_segments:
                 self._retry_full = True
                 raise OSError("spool full")
-            fd = self._create_locked(self.segment_path)
+            # Each segment starts with who wrote it, so the daemon can label it on its own.
+            hello = self._frame(records.HELLO, self.identity)
+            try:
+                fd = self._create_locked(self.segment_path, hello)
+            except OSError:
+                self._seq -= 1  # the hello never reached the spool: no gap for it
+                raise
         except OSError as exc:
             self._retry_at = now + _RETRY_SECONDS
             self.dropped["spool_full" if self._retry_full else "write_error"] += 1
@@ -204,9 +211,9 @@ class SpoolWriter:
             logger.warning("kvwatch: the spool %s is written again", self.directory)
             self._warned = False
         self._fd = fd
-        self._size = 0
-        # Each segment starts with who wrote it, so the daemon can label it on its own.
-        return self._append(self._frame(records.HELLO, self.identity)) or True
+        self._size = len(hello)
+        self.written += 1
+        return True
 
     def _warn(self, exc: OSError) -> None:
         """One warning per failure, not per record: the drop counter counts each record."""
@@ -225,15 +232,18 @@ class SpoolWriter:
         )
 
     @staticmethod
-    def _create_locked(path: Path) -> int:
-        """Create the segment under a private name, lock it, then rename it into place: the
-        daemon never sees a live segment without its lock (it would take it for abandoned)."""
+    def _create_locked(path: Path, hello: bytes) -> int:
+        """Create the segment under a private name, lock it, write its hello, then rename it
+        into place: the daemon never sees a live segment without its lock (it would take it for
+        abandoned), nor a segment without its hello (a kill between the two left one)."""
         private = path.with_name(f".{path.name}{PRIVATE_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
         fd = os.open(private, flags, 0o640)
         try:
             _share_with_spool_group(fd, path.parent)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows the file yet
+            if os.write(fd, hello) != len(hello):  # ENOSPC: try a whole segment again later
+                raise OSError(errno.ENOSPC, "short write of the segment's hello")
             if path.exists():
                 raise FileExistsError(path)
             os.rename(private, path)

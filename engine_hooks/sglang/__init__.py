@@ -55,6 +55,19 @@ HOOKS: tuple[tuple[str, Callable[..., Any], str, str | None], ...] = (
         "BEFORE",
         "x",
     ),
+    (C.TRANSFER_QUEUE + "._do_release", hooks_disagg.before_do_release, "BEFORE", "x"),
+    (
+        C.TRANSFER_QUEUE + "._observe_deferred_kv_release",
+        hooks_disagg.after_observe_release,
+        "AFTER",
+        "x",
+    ),
+    (
+        C.TRANSFER_QUEUE + ".resolve_deferred_releases",
+        hooks_disagg.after_resolve_releases,
+        "AFTER",
+        "x",
+    ),
     (
         C.DECODE_MIXIN + "._verify_kv_checksums",
         hooks_engine.around_verify_kv_checksums,

@@ -58,6 +58,9 @@ OPTIONAL = (
     RESULTS + ".process_batch_result_prebuilt",  # admission's results: finished requests
     PREFILL_MIXIN + ".send_kv_chunk",  # prefill seals a transfer into its metadata row
     TRANSFER_QUEUE + "._commit_transfer_to_req",  # decode reads the seal from the row
+    TRANSFER_QUEUE + "._do_release",  # an aborted transfer's held pages go back
+    TRANSFER_QUEUE + "._observe_deferred_kv_release",  # ... drained or timed out (v0.5.22+)
+    TRANSFER_QUEUE + ".resolve_deferred_releases",  # every decode iteration: windows close
     DECODE_MIXIN + "._verify_kv_checksums",  # SGLang's own checksum (v0.5.21+)
     DECODE_MIXIN + "._handle_kv_checksum_mismatch",
     CANARY_REPORTER + "._format_violation",  # SGLang's own kv-canary (v0.5.22+)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from engine_hooks.detectors import Mode
 from engine_hooks.scrub import Scrub, parse_scrub
 from engine_hooks.spool import DEFAULT_SPOOL_DIR
+from engine_hooks.takers import DEFAULT_FREED_WATCH_S
 from kvspool.catalogue import HOOKED_DETECTORS
 
 logger = logging.getLogger("kvwatch.sglang")
@@ -24,6 +25,9 @@ class Settings:
     role: str
     #: When pages are overwritten so a stale read reads nothing: ``KVWATCH_SCRUB``.
     scrub: Scrub = Scrub.OFF
+    #: How long an aborted transfer's pages released on a timeout are watched for the requests
+    #: that take them: ``KVWATCH_FREED_WATCH_S`` (see :mod:`engine_hooks.sglang.drain`).
+    freed_watch_s: float = DEFAULT_FREED_WATCH_S
 
     @property
     def off(self) -> bool:
@@ -55,6 +59,10 @@ def from_env(environ: dict[str, str] | None = None) -> Settings:
         interval = max(0.1, float(env.get("KVWATCH_FLUSH_INTERVAL", "1.0")))
     except ValueError:
         interval = 1.0
+    try:
+        freed_watch_s = max(0.0, float(env.get("KVWATCH_FREED_WATCH_S", DEFAULT_FREED_WATCH_S)))
+    except ValueError:
+        freed_watch_s = DEFAULT_FREED_WATCH_S
     scrub = parse_scrub(env.get("KVWATCH_SCRUB", "off").strip() or "off", "KVWATCH_SCRUB", logger)
     return Settings(
         mode=mode,
@@ -64,4 +72,5 @@ def from_env(environ: dict[str, str] | None = None) -> Settings:
         step_check=env.get("KVWATCH_STEP_CHECK", "1").strip() not in ("0", "false", "no", "off"),
         role=env.get("KVWATCH_ROLE", ""),
         scrub=scrub,
+        freed_watch_s=freed_watch_s,
     )

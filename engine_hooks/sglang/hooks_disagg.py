@@ -15,6 +15,10 @@
 - ``Scheduler.process_batch_result`` (AFTER): per decode step, the running requests' pages
   still carry their generations; deferred device results are read here, where SGLang has
   already synchronised on the step's output.
+- ``DecodeTransferQueue._do_release`` (BEFORE) and ``_observe_deferred_kv_release`` (AFTER):
+  an aborted transfer's held pages go back, and SGLang's outcome for them; on a timeout, the
+  requests that take them are named when ``resolve_deferred_releases`` (AFTER, every iteration
+  of decode's loop) finds the window over (:mod:`engine_hooks.sglang.drain`).
 
 Page tags are not carried over the transfer (SGLang's metadata has no field for them), so on
 decode the tag check is generation-only: it catches a page reallocated under a live request.
@@ -32,6 +36,7 @@ from typing import Any
 
 from engine_hooks.detectors import Mode, Verdict
 from engine_hooks.labels import Detector, Hook, Skip
+from engine_hooks.sglang.drain import DrainWatch
 from engine_hooks.sglang.guard import safe
 from engine_hooks.sglang.report import log_verdicts
 from engine_hooks.sglang.runtime import Held, runtime
@@ -174,7 +179,7 @@ def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any
     rt = runtime()
     watch = rt.watch_for(allocator)
     if watch is None or watch.pool is None:
-        # Not a paged allocator (page size 1) or an unsupported pool layout: say so in coverage.
+        # An allocator kvwatch does not watch, or an unsupported pool layout: say so in coverage.
         coverage = watch or rt.engine_watch()
         for detector in (Detector.CANARY, Detector.PAGE_TAG):
             coverage.skip(detector, Skip.NO_POOL)
@@ -192,12 +197,13 @@ def after_pre_alloc(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any
     ticket = watch.on_reserve(str(req.rid), pages, rt.instance_of(req))
     if ticket is None:
         return
+    rt.drain.took(watch, ticket.request_id, ticket.instance, pages)
     # Tags do not travel with SGLang's transfer: the write is recorded at admission
     # (KVWatch.landed), for the pages the transfer really wrote.
     rt.keep_ticket(watch, ticket, int(prefix))
 
 
-def decode_pages(batch: Any, tickets: dict[int, Held]) -> None:
+def decode_pages(batch: Any, tickets: dict[int, Held], drain: DrainWatch) -> None:
     """Pages a decode step started (its token is the first of a page, in a page
     ``alloc_decode`` took) join their request's ticket, as written by it: the step checks
     cover them, and a later reader of the page is exposed to this request's KV. Reads the
@@ -212,7 +218,10 @@ def decode_pages(batch: Any, tickets: dict[int, Held]) -> None:
             continue
         page_size = held.watch.pool.page_size
         if (length - 1) % page_size == 0 and i < slots.numel():
-            held.watch.extend(held.ticket, slots[i : i + 1] // page_size)
+            page = slots[i : i + 1] // page_size
+            held.watch.extend(held.ticket, page)
+            if drain.watching:  # a timed-out release's pages: is this one of them?
+                drain.took(held.watch, held.ticket.request_id, held.ticket.instance, page)
 
 
 def _enforce(req: Any, verdicts: list[Verdict]) -> None:
@@ -282,7 +291,7 @@ def check_steps(batch: Any) -> None:
     rt = runtime()
     reqs = list(batch.reqs)
     held_at = {i: h for i, h in enumerate(rt.ticket(r) for r in reqs) if h is not None}
-    decode_pages(batch, held_at)
+    decode_pages(batch, held_at, rt.drain)
     batches: dict[int, tuple[KVWatch, list[Ticket]]] = {}
     by_instance: dict[str, Any] = {}
     for i, req in enumerate(reqs):
@@ -322,3 +331,33 @@ def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *a: Any,
         check_steps(batch)
     for watch in list(rt.all_watches):
         log_verdicts(watch.resolve())
+
+
+# -- decode: an aborted transfer's deferred release ----------------------------------------------
+
+
+@safe(Hook.FREE)
+def before_do_release(queue: Any, decode_req: Any, *args: Any, **kwargs: Any) -> None:
+    """``DecodeTransferQueue._do_release``: a held request's pages go back (its outcome comes
+    next, :func:`after_observe_release`); its ticket goes with them."""
+    rt = runtime()
+    req = getattr(decode_req, "req", None)
+    held = rt.ticket(req) if req is not None else None
+    rt.drain.releasing(*((held.watch, held.ticket) if held is not None else (None, None)))
+    if held is not None:
+        rt.drop_ticket(req)
+
+
+@safe(Hook.STEP)
+def after_resolve_releases(result: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+    """``resolve_deferred_releases``, every iteration of decode's loop (idle too): the windows
+    that are ``KVWATCH_FREED_WATCH_S`` old close, and their findings are written."""
+    log_verdicts(runtime().drain.step())
+
+
+@safe(Hook.FREE)
+def after_observe_release(result: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+    """``_observe_deferred_kv_release(duration_seconds, outcome)``: SGLang's outcome of the
+    release just done; a "timeout" starts watching its pages (:mod:`engine_hooks.sglang.drain`)."""
+    outcome = _arg(args, kwargs, 1, "outcome")
+    runtime().drain.outcome(str(outcome))

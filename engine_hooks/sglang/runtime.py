@@ -21,6 +21,7 @@ from engine_hooks.detectors import Seal
 from engine_hooks.labels import Skip
 from engine_hooks.pool import Layout, PagedKVPool
 from engine_hooks.sglang.config import Settings, from_env
+from engine_hooks.sglang.drain import DrainWatch
 from engine_hooks.spool import SpoolWriter
 from engine_hooks.watch import KVWatch, Ticket, new_instance
 
@@ -66,6 +67,8 @@ class Runtime:
         self.tickets: OrderedDict[str, Held] = OrderedDict()
         self._instances: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.hook_errors = 0
+        #: Aborted transfers released on a timeout, watched for the requests that take them.
+        self.drain = DrainWatch(settings.freed_watch_s)
         self._lock = threading.Lock()
 
     # -- watches -------------------------------------------------------------------------------
@@ -135,6 +138,7 @@ class Runtime:
                 self.tickets.pop(instance, None)
 
     def close(self) -> None:
+        self.drain.close()  # the open windows' findings, while the spools are open
         for watch in list(self.all_watches):
             watch.close()
 

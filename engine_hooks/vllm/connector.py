@@ -35,8 +35,8 @@ from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch, Scrub
 from engine_hooks.guard import Guard
 from engine_hooks.labels import Detector, Hook, Skip
 from engine_hooks.scrub import parse_scrub
+from engine_hooks.takers import DEFAULT_FREED_WATCH_S
 from engine_hooks.vllm.layout import kv_pool
-from engine_hooks.vllm.lease import DEFAULT_FREED_WATCH_S
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
 from engine_hooks.vllm.worker import WorkerSide

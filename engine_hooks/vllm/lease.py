@@ -13,14 +13,13 @@ which were retrieved by %d remote worker(s) before lease expired." kvwatch reads
 request's lease expired; a request whose read was confirmed never logs it, so clean traffic,
 slow reads inside the lease and reads a heartbeat kept alive included, gives no finding.
 
-Which requests took the blocks, and when, LeaseWatch keeps itself: from the expiry until the
-finding is written, every request whose forward writes into the expired request's blocks
-(:meth:`LeaseWatch.step` is given each step's writes) is a taker, with the blocks it wrote and
-when it first did. Every taker, not only a block's last holder: a block taken by one request,
-freed and taken by another before the read was both requests' KV in turn, and decode may have
-read either (the page holder slots keep a page's recent holders only). The finding is written
-once per expired request, ``window_s`` after the expiry (at the first step after that, its own
-writes included, or at shutdown): ``page_tag`` ``freed_before_read`` on the expired request and
+Which requests took the blocks, and when, LeaseWatch keeps itself (:class:`~engine_hooks.takers.
+Takers`): from the expiry until the finding is written, every request whose forward writes into
+the expired request's blocks (:meth:`LeaseWatch.step` is given each step's writes) is a taker,
+with the blocks it wrote and when it first did; decode may have read any of them. The finding
+is written once per expired request, ``window_s`` after the expiry (at the first step after
+that, its own writes included, or at shutdown): ``page_tag`` ``freed_before_read`` on the
+expired request and
 its prefill instance, with the blocks it sent and, as sources, the takers (blocks, ``written_at``
 the first write). Which of them decode really read rests on times: decode's finding (which
 carries this request id and instance as its peer) says when it read, and ``kvwatch incidents
@@ -35,16 +34,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 from engine_hooks import KVWatch, Verdict
-from kvspool.records import Source
+from engine_hooks.takers import DEFAULT_FREED_WATCH_S, Takers
 
 #: NIXL's expiry warning (``nixl/base_worker.py``), as its format string: the record's
 #: ``args`` are (request id, remote reads).
 EXPIRY_MESSAGE: Final = "Releasing expired KV blocks for request %s"
-DEFAULT_FREED_WATCH_S: Final = 10.0
 #: Sent requests remembered until their sending finishes (oldest forgotten first).
 MAX_SENT: Final = 8192
 
@@ -56,41 +54,11 @@ class _Sent:
 
 
 @dataclass(slots=True)
-class _Taker:
-    blocks: set[int]
-    first_at: float
-
-
-@dataclass(slots=True)
 class _Expired:
-    request_id: str
     sent: _Sent
-    expired_at: float
     remote_reads: int
-    #: Every request (id, instance) that wrote into the sent blocks since the expiry.
-    takers: dict[tuple[str, str], _Taker] = field(default_factory=dict)
-    #: The sent blocks as a set, built once: :meth:`took` runs for every write of every step.
-    watched: frozenset[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        self.watched = frozenset(self.sent.blocks)
-
-    def took(self, request_id: str, instance: str, blocks: Sequence[int], at: float) -> None:
-        if request_id == self.request_id:
-            return
-        hit = self.watched.intersection(blocks)
-        if hit:
-            taker = self.takers.setdefault((request_id, instance), _Taker(set(), at))
-            taker.blocks |= hit
-
-    def sources(self) -> list[Source]:
-        return [
-            Source(
-                request_id=rid, pages=len(t.blocks), instance=instance or None,
-                written_at=t.first_at,
-            )
-            for (rid, instance), t in self.takers.items()
-        ]  # fmt: skip
+    #: Every request that wrote into the sent blocks since the expiry.
+    takers: Takers
 
 
 #: One step's writes: (request id, instance, blocks).
@@ -143,11 +111,12 @@ class LeaseWatch:
         for rid, reads, at in logged:
             sent = self.sent.pop(rid, None)
             if sent is not None:
-                self.watching[rid] = _Expired(rid, sent, at, reads)
+                takers = Takers(rid, sent.instance, sent.blocks, at)
+                self.watching[rid] = _Expired(sent, reads, takers)
         for entry in self.watching.values():
             for rid, instance, blocks in writes:
-                entry.took(rid, instance, blocks, now)
-        closed = [e for e in self.watching.values() if now - e.expired_at >= self.window_s]
+                entry.takers.took(rid, instance, blocks, now)
+        closed = [e for e in self.watching.values() if now - e.takers.since >= self.window_s]
         return self._report(closed)
 
     def close(self) -> list[Verdict]:
@@ -159,13 +128,17 @@ class LeaseWatch:
     def _report(self, closed: list[_Expired]) -> list[Verdict]:
         out = []
         for entry in closed:
-            self.watching.pop(entry.request_id, None)
+            self.watching.pop(entry.takers.request_id, None)
             detail: dict[str, int | str] = {
-                "expired_at_ms": int(entry.expired_at * 1000),
+                "expired_at_ms": int(entry.takers.since * 1000),
                 "remote_reads": entry.remote_reads,
             }
             verdict = self.watch.freed_before_read(
-                entry.request_id, entry.sent.instance, entry.sent.blocks, detail, entry.sources()
+                entry.takers.request_id,
+                entry.sent.instance,
+                entry.sent.blocks,
+                detail,
+                entry.takers.sources(),
             )
             if verdict is not None:
                 out.append(verdict)

@@ -31,8 +31,9 @@ import torch
 
 from engine_hooks import KVWatch, PagedKVPool, Seal, Ticket, Verdict
 from engine_hooks.labels import Detector, Skip
+from engine_hooks.takers import DEFAULT_FREED_WATCH_S
 from engine_hooks.tickets import new_instance
-from engine_hooks.vllm.lease import DEFAULT_FREED_WATCH_S, LeaseWatch
+from engine_hooks.vllm.lease import LeaseWatch
 from engine_hooks.vllm.metadata import KVWatchMetadata, KVWatchWorkerMetadata, ReserveJob, VerifyJob
 
 

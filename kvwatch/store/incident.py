@@ -53,7 +53,10 @@ class Finding(Struct, gc=False):
     column to a journal that predates it (the rows there read the type's zero), the log writes
     it (a field added within the line format's version).
 
-    Positional, no defaults: the reader builds one per event on its hot path."""
+    Positional: the reader builds one per event on its hot path, every field given. A field
+    added later gets its type's zero as a default, so that what was written before it (the
+    journal's rows, the log's lines, the tests' hand-built findings) still reads, as that zero
+    (docs/architecture.md shows the diff)."""
 
     #: The journal's id (the reader's findings: None until stored).
     id: Annotated[int, Meta(ge=0)] | None

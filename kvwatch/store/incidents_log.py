@@ -58,15 +58,31 @@ MAX_LINE_BYTES: Final = 1 << 20
 #: A line's fields: ``v``, ``journal`` (the journal's ``meta`` journal_id), then the finding's,
 #: with ``time`` (``ts`` in ISO 8601 UTC, to the millisecond, for people) after ``ts``.
 _AFTER_TS: Final = FINDING_FIELDS.index("ts") + 1
+if FINDING_FIELDS[:_AFTER_TS] != ("id", "ts"):  # _lines writes the id, then ts, by name
+    raise ImportError(f"Finding starts {FINDING_FIELDS[:_AFTER_TS]}, not id and ts")
 LINE_FIELDS: Final = (
     "v", "journal", *FINDING_FIELDS[:_AFTER_TS], "time", *FINDING_FIELDS[_AFTER_TS:]
 )  # fmt: skip
 _HINTS: Final = get_type_hints(Finding, include_extras=True)
 #: A line as read back, checked: the finding's constraints (an id is always there).
 _LINE_TYPES: Final = {"v": Literal[1], "journal": Text, "id": Count, "ts": Timestamp, "time": Text}
+#: A field added to Finding later has a default (a list or dict one, a factory): a line written
+#: before it reads as that.
+_DEFAULTS: Final = {
+    f.name: f.default
+    if f.default is not msgspec.NODEFAULT
+    else msgspec.field(default_factory=f.default_factory)
+    for f in msgspec.structs.fields(Finding)
+    if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
+}
 IncidentLine: Final = msgspec.defstruct(
     "IncidentLine",
-    [(name, _LINE_TYPES.get(name) or _HINTS[name]) for name in LINE_FIELDS],
+    [
+        (name, _LINE_TYPES.get(name) or _HINTS[name], _DEFAULTS[name])
+        if name in _DEFAULTS
+        else (name, _LINE_TYPES.get(name) or _HINTS[name])
+        for name in LINE_FIELDS
+    ],
     kw_only=True,
     frozen=True,
     gc=False,
@@ -246,7 +262,7 @@ class IncidentsLog:
                 prefix = when.strftime("%Y-%m-%dT%H:%M:%S.")
             out.append(
                 line(
-                    LOG_VERSION, journal_id, incident, *values[1:after],
+                    LOG_VERSION, journal_id, incident, ts,
                     prefix + millis[jd % 1000], *values[after:],
                 )
             )  # fmt: skip

@@ -146,6 +146,29 @@ def test_rotation_seals_a_segment_and_names_the_next(tmp_path: Path) -> None:
     assert seqs == list(range(1, len(seqs) + 1))
 
 
+def test_a_segment_has_its_hello_when_it_gets_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A producer killed between naming a segment and writing its hello left a headless segment
+    # that no record could be read from: the hello is written while the name is still private.
+    at_rename: list[list[str]] = []
+    rename = os.rename
+
+    def watching_rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        at_rename.append([r["type"] for r in read_segment(Path(src)).records])
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", watching_rename)
+    w = writer(tmp_path, segment_bytes=2048)
+    for i in range(40):
+        w.write(schema.EVENT, event(i))
+    w.close()
+    assert len(at_rename) == len(list(tmp_path.glob("*.kvs"))) > 2
+    assert at_rename == [["hello"]] * len(at_rename)
+    seqs = [r["seq"] for r in read_spool(tmp_path).records]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
 def test_the_payload_is_the_schemas_json_and_a_non_finite_value_is_rejected(
     tmp_path: Path,
 ) -> None:

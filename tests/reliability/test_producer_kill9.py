@@ -28,6 +28,9 @@ def kill_one(spool: Path, rng: random.Random) -> tuple[str, int, bool]:
     )  # fmt: skip
     assert proc.stdout is not None
     producer = proc.stdout.readline().strip()
+    # Kill it while it writes, not while a loaded machine has not yet scheduled its first write.
+    first = spool / f"{producer}.000000.kvs"
+    assert wait_for(lambda: first.exists() and first.stat().st_size > 2 * DETAIL_BYTES, 30)
     time.sleep(rng.uniform(0.1, 0.4))
     proc.kill()
     proc.wait()

@@ -39,6 +39,7 @@ D = "tests/sglang/test_decode.py::"
 M = "tests/sglang/test_memory.py::"
 A = "tests/sglang/test_admission.py::"
 E = "tests/sglang/test_engine.py::"
+R = "tests/sglang/test_deferred_release.py::"
 
 #: The tests that must notice each hook, by (method, hook function): the first listed is the
 #: one expected to fail, so a killed mutant stops there (-x).
@@ -81,6 +82,15 @@ TESTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("_format_violation", "after_format_violation"): (
         E + "test_sglang_kv_canary_violation_becomes_an_event_without_token_ids",
     ),
+    ("_do_release", "before_do_release"): (
+        R + "test_a_timed_out_release_names_the_requests_that_took_its_pages",
+    ),
+    ("_observe_deferred_kv_release", "after_observe_release"): (
+        R + "test_a_timed_out_release_names_the_requests_that_took_its_pages",
+    ),
+    ("resolve_deferred_releases", "after_resolve_releases"): (
+        R + "test_a_timed_out_release_names_the_requests_that_took_its_pages",
+    ),
 }
 
 P = "tests/sglang/test_page_size_one.py::"
@@ -111,6 +121,19 @@ CALLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "hooks_disagg.decode_pages",
         "decode-step pages join no ticket",
         (X + "test_the_incident_names_exactly_the_exposed_requests",),
+    ),
+    (
+        "KVWatch.freed_before_drain",
+        "a timed-out release's takers are not reported",
+        (R + "test_a_timed_out_release_names_the_requests_that_took_its_pages",),
+    ),
+    (
+        "drain.DrainWatch.took",
+        "no request is a taker of a timed-out release's pages (reserve and decode step)",
+        (
+            R + "test_a_timed_out_release_names_the_requests_that_took_its_pages",
+            R + "test_a_decode_step_that_starts_a_released_page_is_a_taker",
+        ),
     ),
     (
         "runtime.KVWatch",
@@ -149,15 +172,19 @@ def _without(index: int) -> None:
 
 
 def _remove_call(target: str) -> None:
-    """``module.name`` of the plugin (``engine_hooks.sglang.``) becomes a no-op; for the
-    watch's class, the ``scrub`` setting is dropped instead. ``KVWatch.method``: the hook
-    method the plugin calls becomes a no-op (the plugin is its only caller here)."""
+    """``module.name`` (or ``module.Class.method``) of the plugin (``engine_hooks.sglang.``)
+    becomes a no-op; for the watch's class, the ``scrub`` setting is dropped instead.
+    ``KVWatch.method``: the hook method the plugin calls becomes a no-op (the plugin is its only
+    caller here)."""
     import importlib
 
     module_name, name = target.rsplit(".", 1)
     module: Any
     if module_name == "KVWatch":
         module = importlib.import_module("engine_hooks.watch").KVWatch
+    elif module_name.rsplit(".", 1)[-1][:1].isupper():  # module.Class.method
+        module_name, class_name = module_name.rsplit(".", 1)
+        module = getattr(importlib.import_module(f"engine_hooks.sglang.{module_name}"), class_name)
     else:
         module = importlib.import_module(f"engine_hooks.sglang.{module_name}")
     real = getattr(module, name)

@@ -42,8 +42,6 @@ _DETECTOR, _ROLE, _KIND = catalogue.DETECTOR.bound, catalogue.ROLE.bound, catalo
 _JOINED_MAX: Final = 1024
 #: Exposed requests the reader remembers to count each once (``kvwatch_exposed_requests_total``).
 _EXPOSED_SEEN_MAX: Final = 16384
-#: An incident row's (detector, role, kind): the labels of ``kvwatch_incidents_total``.
-_INCIDENT_LABELS: Final = attrgetter("detector", "role", "kind")
 #: A finding's fields after its producer's labels: the event record's of the same names.
 _EVENT_PART: Final = attrgetter(*FINDING_FIELDS[FINDING_FIELDS.index("rank") + 1 :])
 
@@ -52,7 +50,7 @@ class RecordApplier(SpoolDirectory):
     """Records into the state and the batch (see the module)."""
 
     _incident_keys: dict[tuple[str, str, str], tuple[str, tuple[str, ...]]]
-    _incidents_seen: Counter[tuple[str, str, str]]
+    _incidents_seen: Counter[tuple[str, str, str]]  # (role, detector, kind), as join() takes
     _joiner: Joiner
     _exposed_seen: dict[tuple[str, str], None]
     _others_seen: dict[int, int]
@@ -60,7 +58,7 @@ class RecordApplier(SpoolDirectory):
 
     def _init_applier(self) -> None:
         self._incident_keys = {}
-        #: (detector, role, kind) as the records said them -> incidents not yet counted.
+        #: (role, detector, kind) as the records said them -> incidents not yet counted.
         self._incidents_seen = Counter()
         self._joiner, self._exposed_seen, self._others_seen = self._counted()
         #: Events read, their incident rows not yet built (see _incidents).
@@ -111,6 +109,7 @@ class RecordApplier(SpoolDirectory):
             producer.name,
         )
         rows = []
+        seen = []  # each row's (role, detector, kind): built once for the join and the count
         event_part = _EVENT_PART
         join, affected = self._joiner.join, 0
         self._count_peers()
@@ -123,7 +122,9 @@ class RecordApplier(SpoolDirectory):
             if len(row.detail) > 1:
                 row.detail = sorted_detail(row.detail)
             rows.append(row)
-            key, new = join(node, e.request_id, e.instance or "", (role, e.detector, e.kind), ts)
+            what = (role, e.detector, e.kind)
+            seen.append(what)
+            key, new = join(node, e.request_id, e.instance or "", what, ts)
             affected += new
             if e.sources or e.other_sources:
                 self._exposures(producer, e, key)
@@ -131,7 +132,7 @@ class RecordApplier(SpoolDirectory):
             self._count(DaemonCounter.AFFECTED_REQUESTS, (_ROLE(role),), affected)
         self._events.clear()
         self._batch.findings += rows
-        self._incidents_seen.update(map(_INCIDENT_LABELS, rows))
+        self._incidents_seen.update(seen)
 
     def _count_peers(self) -> None:
         """``kvwatch_transfer_mismatches_total{peer}`` for the events read that name the node
@@ -167,7 +168,7 @@ class RecordApplier(SpoolDirectory):
                     keys.clear()
                 key = keys[raw] = (
                     DaemonCounter.INCIDENTS,
-                    (_DETECTOR(raw[0]), _ROLE(raw[1]), _KIND(raw[2])),
+                    (_DETECTOR(raw[1]), _ROLE(raw[0]), _KIND(raw[2])),
                 )
             self._count(*key, count)
             total += count

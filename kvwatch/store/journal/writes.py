@@ -93,9 +93,14 @@ def _insert_findings(db: sqlite3.Connection, findings: list[Finding]) -> None:
         full = len(group) - len(group) % rows
         chunks = []
         for first in range(0, full, rows):
+            chunk = group[first : first + rows]
             flat = list(common)
-            for own in _own_rows(group[first : first + rows]):
+            # Inline, not through _own_rows: no tuple and no generator step per finding.
+            append = flat.append
+            for own, page, detail in zip(map(_own_of, chunk), *_json_columns(chunk)):  # noqa: B905 (a split's last item is empty)
                 flat += own
+                append(page)
+                append(detail)
             chunks.append(flat)
         if chunks:
             db.executemany(_INSERT_FINDINGS, chunks)
@@ -103,11 +108,17 @@ def _insert_findings(db: sqlite3.Connection, findings: list[Finding]) -> None:
             db.executemany(_INSERT_FINDING, [(*common, *own) for own in _own_rows(group[full:])])
 
 
-def _own_rows(findings: list[Finding]) -> Iterator[tuple[Any, ...]]:
-    """Each finding's own columns (``_OWN``, then pages and detail as JSON text)."""
+def _json_columns(findings: list[Finding]) -> tuple[list[str], list[str]]:
+    """The findings' pages and details as JSON text, one encode each (each list has one item
+    more than ``findings``: a split's last, empty)."""
     pages = _encode_lines([f.pages for f in findings]).decode().split("\n")
     details = _encode_lines([f.detail for f in findings]).decode().split("\n")
-    for own, page, detail in zip(map(_own_of, findings), pages, details):  # noqa: B905 (a split's last item is empty)
+    return pages, details
+
+
+def _own_rows(findings: list[Finding]) -> Iterator[tuple[Any, ...]]:
+    """Each finding's own columns (``_OWN``, then pages and detail as JSON text)."""
+    for own, page, detail in zip(map(_own_of, findings), *_json_columns(findings)):  # noqa: B905 (a split's last item is empty)
         yield (*own, page, detail)
 
 

@@ -408,6 +408,29 @@ def test_a_reader_joins_the_writers_side_of_the_same_request_instance() -> None:
     assert "t1@p (2)" in out.getvalue()
 
 
+def test_an_aborted_transfer_released_on_a_timeout_names_its_takers_as_readers(
+    tmp_path: Path,
+) -> None:
+    """SGLang decode released an aborted transfer's pages on its timeout (``freed_before_drain``):
+    each request that took some is a reader of its own incident, the aborted request its source,
+    through the spool reader, the journal and ``incidents --exposed``."""
+    aborted = [_src("gone", 0, "gone#1")]
+    frames = [
+        (rid, {"detector": "page_tag", "kind": "freed_before_drain", "instance": f"{rid}#1",
+               "sources": [{**aborted[0], "pages": n}]})
+        for rid, n in (("t1", 3), ("t2", 1))
+    ]  # fmt: skip
+    dec = _node(tmp_path, "dec", frames)
+    out = run_cli("incidents", "--exposed", "--json", "--journal", str(dec))
+    assert out.returncode == 0, out.stderr
+    view = json.loads(out.stdout)
+    assert [(r["request_id"], r["sources"]) for r in view["readers"]] == [
+        (rid, [{"request_id": "gone", "instance": "gone#1", "pages": n}])
+        for rid, n in (("t1", 3), ("t2", 1))
+    ]
+    assert view["counts"]["incidents"] == 2 and view["counts"]["exposed"] == 1
+
+
 def test_a_writers_side_finding_without_its_reader_stays_an_incident() -> None:
     (alone,) = incidents.group(_findings(*_lease_case()[1:2]))
     assert alone["node"] == "p" and [s["request_id"] for s in alone["sources"]] == ["t1", "t2"]

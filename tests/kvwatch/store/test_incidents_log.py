@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -354,3 +356,39 @@ def test_a_prune_of_an_incident_not_yet_written_reads_the_journal_instead(
     assert log.drain(journal) == 1
     assert [(line["id"], line["request_id"]) for line in _lines(log.path)] == [(1, "new-0")]
     assert incidents_log.read(log.path).rows == journal.incidents()
+
+
+#: A finding type with one field more than today's, given before the log's module is loaded:
+#: what the log reads once such a field is added.
+_LATER_FIELD = """
+import sys
+from pathlib import Path
+from kvwatch.store import incident
+
+class Later(incident.Finding, gc=False):
+    layer: int = 0
+    layers: list[int] = []
+
+incident.Finding, incident.FINDING_FIELDS = Later, Later.__struct_fields__
+from kvwatch.store import incidents_log
+
+result = incidents_log.read(Path(sys.argv[1]))
+print([(row.request_id, row.layer, row.layers) for row in result.rows], result.skipped)
+"""
+
+
+def test_a_line_written_before_a_field_was_added_reads_as_its_default(
+    spool: Path, journal: Journal, tmp_path: Path
+) -> None:
+    _events(spool, journal, 2)
+    log = IncidentsLog(tmp_path / "incidents.jsonl", max_bytes=1 << 20, keep=3)
+    assert log.drain(journal) == 2
+    assert '"layer' not in log.path.read_text()
+    out = subprocess.run(
+        [sys.executable, "-c", _LATER_FIELD, str(log.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.strip() == "[('req-0', 0, []), ('req-1', 0, [])] 0", out
