@@ -299,6 +299,10 @@ class Stack:
                 PROMETHEUS_BIN, f"--config.file={config}",
                 f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
                 f"--web.listen-address=127.0.0.1:{port}",
+                # Under the evaluation interval: every evaluation re-sends each firing alert, so
+                # a notification's alerts all carry the same, latest counts (the default 1m
+                # keeps an alert's first counts while a newer alert of its group has grown).
+                "--rules.alert.resend-delay=500ms",
             ],
         )  # fmt: skip
         self.prometheus_url = f"http://127.0.0.1:{port}"

@@ -457,6 +457,8 @@ class Fleet:
                     "--config.file": str(config),
                     "--storage.tsdb.path": str(self.workdir / f"{replica}-data"),
                     "--web.listen-address": urllib.parse.urlsplit(self.urls[replica]).netloc,
+                    # As the file's 10 s to 15 s evaluations: under the bed's evaluation interval.
+                    "--rules.alert.resend-delay": _seconds(self.intervals.evaluation_s * 2 / 3),
                 },
             )
             self._spawn(replica, [PROMETHEUS_BIN, *argv], env={"PROMETHEUS_REPLICA": replica})

@@ -75,6 +75,13 @@ def test_both_replicas_drop_only_the_replica_label_for_alerts_and_remote_write()
     assert drops == ["replica", "replica"]  # alert_relabel_configs, write_relabel_configs
     default = read_default(DEPLOY / "prometheus.default")
     assert "--enable-feature=expand-external-labels" in shlex.split(default["ARGS"])
+    # Every evaluation re-sends the firing alerts: a page's alerts state the same counts.
+    resend = [
+        a for a in shlex.split(default["ARGS"]) if a.startswith("--rules.alert.resend-delay=")
+    ]
+    assert resend == ["--rules.alert.resend-delay=10s"]
+    config = (DEPLOY / "prometheus-ha.yml").read_text()
+    assert re.search(r"evaluation_interval: 15s", config)
     assert default["PROMETHEUS_REPLICA"]
 
 
