@@ -15,7 +15,10 @@ alert and Prometheus's into one.
 
 Timing mirrors Prometheus, so the two never flap against each other:
 
-- firing: sent at once, re-sent every ``alertmanager_resend`` with ``endsAt = now + 4 x resend``;
+- firing: sent at once, re-sent every ``alertmanager_resend`` with ``endsAt = now + 4 x resend``,
+  and at once when its context numbers (the node's affected and exposed requests) move: the
+  alerts of one notification then state the same counts (Prometheus's side: re-sent every
+  evaluation, ``deploy/prometheus.default``);
 - quiet: from ``scrape interval + 2 ticks + MAX_BATCH_AGE`` before the rule can first resolve
   (``window`` after the last increase, less one scrape interval) nothing is sent: a firing post
   landing after Prometheus resolved would re-open the alert (the last ``endsAt`` outlasts it);
@@ -144,6 +147,9 @@ class Tracker:
     last_rise: float = 0.0
     #: The ``$value`` of the last firing post.
     shown: float = 0.0
+    #: The context numbers of the last post: a firing alert whose numbers moved is re-sent at
+    #: once, so that every alert of a notification states the node's latest counts.
+    context_shown: dict[str, float] = field(default_factory=dict)
     phase: str = ""
     starts_at: float = 0.0
     last_sent: float = 0.0
@@ -366,7 +372,12 @@ class Evaluator:
             if now < tracker.last_rise + window - self.quiet_ahead:
                 if tracker.phase == QUIET:  # a new rise moved the end of the window
                     tracker.phase, tracker.last_sent = FIRING, 0.0
-                if now >= tracker.last_sent + self.resend:
+                due = now >= tracker.last_sent + self.resend
+                if due or (
+                    tracker.alert.context
+                    and self.context_values(tracker.alert, tracker.labels, now)
+                    != tracker.context_shown
+                ):
                     tracker.last_sent = now
                     return self._payload(tracker, now + ENDS_AT_RESENDS * self.resend, now)
             else:
@@ -386,13 +397,11 @@ class Evaluator:
     def _payload(self, tracker: Tracker, ends_at: float, now: float) -> Posted:
         if tracker.rises:  # a resolved alert keeps its last value, as Prometheus's does
             tracker.shown = sum(amount for _, amount in tracker.rises)
+        tracker.context_shown = self.context_values(tracker.alert, tracker.labels, now)
         return {
             "labels": dict(tracker.labels),
             "annotations": alert_annotations(
-                tracker.alert,
-                tracker.labels,
-                tracker.shown,
-                self.context_values(tracker.alert, tracker.labels, now),
+                tracker.alert, tracker.labels, tracker.shown, tracker.context_shown
             ),
             "startsAt": _rfc3339(tracker.starts_at),
             "endsAt": _rfc3339(ends_at),

@@ -278,6 +278,41 @@ def test_fire_resend_quiet_resolve_like_prometheus() -> None:
     assert pager.trackers == {}
 
 
+class ExposingCounters(Counters):
+    """The mismatch counter and the node's exposed requests (an alert's context)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exposed = 0.0
+
+    def collect(self) -> list[Metric]:
+        family = CounterMetricFamily("kvwatch_exposed_requests", "help", labels=["role"])
+        family.add_metric(["decode"], self.exposed)
+        return [*super().collect(), family]
+
+
+def test_a_firing_alert_whose_counts_moved_is_re_sent_at_once() -> None:
+    """A leak's findings can reach the daemon in two polls: the alert that fired stating 4
+    exposed requests is re-sent stating 5 at the next evaluation, not a resend delay later, so
+    a notification never holds it beside a newer alert of its group that states 5."""
+    counters = ExposingCounters()
+    pager = _pager(counters)
+    assert pager.evaluate(1000.0) == []
+    counters.exposed = 4
+    counters.set(2)
+    [firing] = pager.evaluate(1002.0)
+    assert "received the KV of 4 other request(s)" in firing["annotations"]["description"]
+    counters.set(2)  # a record read, nothing moved: no resend before the resend delay
+    assert pager.evaluate(1003.0) == []
+    counters.exposed = 5
+    counters.set(2)
+    [again] = pager.evaluate(1004.0)
+    assert "received the KV of 5 other request(s)" in again["annotations"]["description"]
+    assert again["startsAt"] == firing["startsAt"] and again["labels"] == firing["labels"]
+    counters.set(2)
+    assert pager.evaluate(1005.0) == []
+
+
 def test_a_new_rise_while_quiet_fires_again_and_a_reset_counts() -> None:
     counters = Counters()
     pager = _pager(counters)
