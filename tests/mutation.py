@@ -8,17 +8,21 @@ with it removed; the first pair is the baseline (nothing removed), which must pa
     <engine venv>/bin/python tests/mutation.py vllm
 
 Prints the table (mutant, tests failed, first failing test, killed) and exits non-zero when the
-baseline fails or any mutant survives.
+baseline fails or any mutant survives. The baseline runs first and alone; the mutants then run
+``KVWATCH_MUTATION_JOBS`` at a time (default: one per CPU), each in its own interpreter with one
+torch thread, since most of a mutant's time is one core importing the engine.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +49,7 @@ class Result:
     killed: bool
 
 
-def run(mutant: Mutant, timeout: float) -> Result:
+def run(mutant: Mutant, timeout: float, env: dict[str, str] | None = None) -> Result:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         start = time.monotonic()
@@ -57,6 +61,7 @@ def run(mutant: Mutant, timeout: float) -> Result:
                 stderr=subprocess.DEVNULL,
                 timeout=timeout,
                 check=False,
+                env=env,
             )
             code: int | None = proc.returncode
         except subprocess.TimeoutExpired:
@@ -109,15 +114,23 @@ def main(argv: list[str]) -> int:
         print("usage: mutation.py ENGINE", file=sys.stderr)
         return 2
     mutants = load(argv[0])
-    results: list[Result] = []
-    for mutant in mutants:
-        result = run(mutant, timeout=900)
-        results.append(result)
+    baseline = run(mutants[0], timeout=900)
+    print(f"mutation: {baseline.name}: {'killed' if baseline.killed else 'passed'}", flush=True)
+    if baseline.killed:
+        print(table([baseline]))
+        print("mutation: the tests fail with nothing removed", file=sys.stderr)
+        return 1
+    jobs = int(os.environ.get("KVWATCH_MUTATION_JOBS") or os.cpu_count() or 1)
+    # One torch thread per interpreter: two mutants on two cores, not four threads fighting.
+    env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None
+
+    def one(mutant: Mutant) -> Result:
+        result = run(mutant, timeout=900, env=env)
         print(f"mutation: {result.name}: {'killed' if result.killed else 'passed'}", flush=True)
-        if mutant.name == BASELINE and result.killed:
-            print(table(results))
-            print("mutation: the tests fail with nothing removed", file=sys.stderr)
-            return 1
+        return result
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        results = [baseline, *pool.map(one, mutants[1:])]
     print(table(results))
     survivors = [r.name for r in results if r.name != BASELINE and not r.killed]
     if survivors:
