@@ -254,14 +254,16 @@ def request_hooks_scrub(prompt: int, page_size: int, requests: int, rounds: int)
 
 
 def step_hooks_at_batch(
-    batch: int, context: int, page_size: int, steps: int, rounds: int
+    batch: int, context: int, page_size: int, steps: int, rounds: int, *, batched: bool = False
 ) -> dict[str, float]:
     """The per-step hooks alone at a large batch on CPU tensors, the way minipd's decode step
     calls them: the batch's tag check every step, and a new page (``on_alloc`` + ``extend``)
-    for each request whose context crosses a page boundary. Host CPU per step per running
-    request in ``log`` and ``enforce``, against the baseline of the same loop with no hook
-    called (the engine's own bookkeeping of the bench), rounds interleaved. Returns the hooks'
-    us per step per running request by mode (best round less the baseline's)."""
+    for each request whose context crosses a page boundary; ``batched``, the way SGLang's
+    does: one ``on_alloc`` for the step's new pages (``alloc_decode``) and one
+    ``extend_each``. Host CPU per step per running request in ``log`` and ``enforce``, against
+    the baseline of the same loop with no hook called (the engine's own bookkeeping of the
+    bench), rounds interleaved. Returns the hooks' us per step per running request by mode
+    (best round less the baseline's)."""
     import numpy as np
     import torch
 
@@ -295,13 +297,19 @@ def step_hooks_at_batch(
                 if hooks:
                     verdicts = watch.check_batch(tickets)
                     assert not verdicts
+                starting, pages = [], []
                 for r, ticket in enumerate(tickets):
                     lengths[r] += 1
                     if lengths[r] % page_size == 0:
                         page = [free.pop()]
-                        if hooks:
+                        if hooks and not batched:
                             watch.on_alloc(page, ticket.request_id)
                             watch.extend(ticket, page)
+                        starting.append(ticket)
+                        pages += page
+                if hooks and batched and pages:
+                    watch.on_alloc(pages)
+                    watch.extend_each(starting, pages)
             times.append(1e6 * (time.thread_time() - started) / (steps * batch))
             watch.close()
     base = min(results["none"])
@@ -309,8 +317,9 @@ def step_hooks_at_batch(
     def spread(values: list[float]) -> str:
         return f"{min(values):.2f} us (rounds {min(values):.2f}-{max(values):.2f})"
 
+    shape = "one on_alloc + extend_each a step" if batched else "on_alloc + extend per page"
     print(
-        f"per-step hooks at batch {batch}, {context}-token contexts, page {page_size}, "
+        f"per-step hooks ({shape}) at batch {batch}, {context}-token contexts, page {page_size}, "
         f"{steps} steps, CPU tensors, {rounds} interleaved rounds; host CPU per step per "
         f"running request, best of the rounds: the loop without hooks {spread(results['none'])}; "
         + "; ".join(

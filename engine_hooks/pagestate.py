@@ -60,6 +60,8 @@ NOBODY, UNKNOWN = 0, -1
 Ints = list[int] | torch.Tensor
 #: Per-page booleans: a list on the host backend, a bool tensor on the device.
 Mask = list[bool] | torch.Tensor
+#: Who wrote pages: one request key for all, one per page, or nobody named.
+Owner = int | Sequence[int] | None
 
 
 class PageState(Protocol):
@@ -67,9 +69,7 @@ class PageState(Protocol):
     def concat(self, parts: Sequence[Ints]) -> Ints: ...
     def bump(self, pages: Ints, owner: int = UNKNOWN, now: float = 0.0) -> None: ...
     def generations(self, pages: Ints) -> Ints: ...
-    def own_writes(
-        self, pages: Ints, now: float | None = None, owner: int | None = None
-    ) -> None: ...
+    def own_writes(self, pages: Ints, now: float | None = None, owner: Owner = None) -> None: ...
     def claim(self, pages: Ints, owner: int, now: float) -> None: ...
     def sources(
         self, pages: Ints, written: Ints | None = None
@@ -159,14 +159,18 @@ class DevicePages:
     def generations(self, pages: Ints) -> torch.Tensor:
         return self.generation.index_select(0, torch.as_tensor(pages))
 
-    def own_writes(self, pages: Ints, now: float | None = None, owner: int | None = None) -> None:
+    def own_writes(self, pages: Ints, now: float | None = None, owner: Owner = None) -> None:
         """The pages are written for their current generation (by ``owner``, where given: the
-        claim in the same pass, as a decode step's own pages need)."""
+        claim in the same pass, as a decode step's own pages need; a sequence names each
+        page's owner)."""
         index = torch.as_tensor(pages)
         self.written[index] = self.generation.index_select(0, index)
         self.holders[index, CURRENT, AT_MS] = _ms(time.time() if now is None else now)
-        if owner is not None:
+        if isinstance(owner, int):
             self.holders[index, CURRENT, KEY] = owner
+        elif owner is not None:
+            keys = torch.as_tensor(owner, dtype=torch.int64)
+            self.holders[index, CURRENT, KEY] = keys.to(self.holders.device)
 
     def claim(self, pages: Ints, owner: int, now: float) -> None:
         """The pages' current generation belongs to ``owner`` (a request key)."""
@@ -366,7 +370,7 @@ class HostPages:
     def generations(self, pages: Ints) -> list[int]:
         return [self.generation[p] for p in self._ints(pages)]
 
-    def own_writes(self, pages: Ints, now: float | None = None, owner: int | None = None) -> None:
+    def own_writes(self, pages: Ints, now: float | None = None, owner: Owner = None) -> None:
         at = _ms(time.time() if now is None else now)
         if len(pages) >= _BATCH_PAGES:
             ids = np.asarray(self._ints(pages), dtype=np.int64)
@@ -376,11 +380,13 @@ class HostPages:
                 self.holders_np[ids, CURRENT, KEY] = owner
             return
         h, stride = self.holders, _SLOTS * _FIELDS
-        for p in self._ints(pages):
+        listed = self._ints(pages)
+        owners = [owner] * len(listed) if owner is None or isinstance(owner, int) else owner
+        for p, key in zip(listed, owners, strict=True):
             self.written[p] = self.generation[p]
             h[p * stride + CURRENT * _FIELDS + AT_MS] = at
-            if owner is not None:
-                h[p * stride + CURRENT * _FIELDS + KEY] = owner
+            if key is not None:
+                h[p * stride + CURRENT * _FIELDS + KEY] = key
 
     def claim(self, pages: Ints, owner: int, now: float) -> None:
         if len(pages) >= _BATCH_PAGES:

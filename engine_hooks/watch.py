@@ -251,6 +251,31 @@ class KVWatch:
             ticket.tags = self._state.concat([ticket.tags, gens])
         ticket._append(index, gens)
 
+    @_hook(Hook.RESERVE, lambda: None)
+    def extend_each(self, tickets: Sequence[Ticket], pages: PageIds) -> None:
+        """:meth:`extend` by one page for each of ``tickets`` (``pages[k]`` joins
+        ``tickets[k]``): a decode step that starts a page for many requests at once, as every
+        step does at page size 1. One index, one generation read and one write record for the
+        step, not one of each per request."""
+        if self._state is None or not tickets:
+            return
+        index = self._state.index(pages)
+        if len(index) != len(tickets):
+            raise ValueError(f"{len(index)} pages for {len(tickets)} tickets")
+        key = self._requests.key
+        self._state.own_writes(index, time.time(), [key(t.request_id, t.instance) for t in tickets])
+        self._forget(index)
+        gens = self._state.generations(index)
+        for k, ticket in enumerate(tickets):
+            one, tag = index[k : k + 1], gens[k : k + 1]
+            if isinstance(ticket.pages, list) and isinstance(ticket.tags, list):
+                ticket.pages += one  # as extend: host lists grow in place
+                ticket.tags += tag
+            else:
+                ticket.pages = self._state.concat([ticket.pages, one])
+                ticket.tags = self._state.concat([ticket.tags, tag])
+            ticket._append(one, tag)
+
     @_hook(Hook.WROTE, lambda: None)
     def wrote(self, request_id: str, pages: PageIds, instance: str = "") -> None:
         """The request's own forward wrote these pages (an engine's own writes carry no tags):

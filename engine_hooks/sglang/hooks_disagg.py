@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+import torch
+
 from engine_hooks.detectors import Mode, Verdict
 from engine_hooks.labels import Detector, Hook, Skip
 from engine_hooks.sglang.drain import DrainWatch
@@ -207,21 +209,36 @@ def decode_pages(batch: Any, tickets: dict[int, Held], drain: DrainWatch) -> Non
     """Pages a decode step started (its token is the first of a page, in a page
     ``alloc_decode`` took) join their request's ticket, as written by it: the step checks
     cover them, and a later reader of the page is exposed to this request's KV. Reads the
-    batch's host-side lengths; the page ids stay where they are (no sync)."""
+    batch's host-side lengths; the page ids stay where they are (no sync). One
+    :meth:`~KVWatch.extend_each` per pool: at page size 1 every request starts a page every
+    step."""
     lengths = getattr(batch, "seq_lens_cpu", None)
     slots = getattr(batch, "out_cache_loc", None)
     if lengths is None or slots is None or not tickets:
         return
+    started: dict[int, tuple[KVWatch, list[int], list[Ticket]]] = {}
+    count = slots.numel()
     for i, length in enumerate(lengths.tolist()):
         held = tickets.get(i)
-        if held is None or held.watch.pool is None:
+        if held is None or held.watch.pool is None or i >= count:
             continue
-        page_size = held.watch.pool.page_size
-        if (length - 1) % page_size == 0 and i < slots.numel():
-            page = slots[i : i + 1] // page_size
-            held.watch.extend(held.ticket, page)
-            if drain.watching:  # a timed-out release's pages: is this one of them?
-                drain.took(held.watch, held.ticket.request_id, held.ticket.instance, page)
+        if (length - 1) % held.watch.pool.page_size == 0:
+            entry = started.setdefault(id(held.watch), (held.watch, [], []))
+            entry[1].append(i)
+            entry[2].append(held.ticket)
+    for watch, rows, owners in started.values():
+        assert watch.pool is not None
+        # Views of the slots where it can (a run of rows, as at page size 1), else one cat:
+        # never an index built on the host and copied to the device (that would sync).
+        if rows[-1] - rows[0] == len(rows) - 1:
+            taken = slots[rows[0] : rows[-1] + 1]
+        else:
+            taken = torch.cat([slots[i : i + 1] for i in rows])
+        pages = taken // watch.pool.page_size
+        watch.extend_each(owners, pages)
+        if drain.watching:  # a timed-out release's pages: are these among them?
+            for k, ticket in enumerate(owners):
+                drain.took(watch, ticket.request_id, ticket.instance, pages[k : k + 1])
 
 
 def _enforce(req: Any, verdicts: list[Verdict]) -> None:

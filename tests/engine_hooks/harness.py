@@ -104,9 +104,10 @@ def backends_agree(dtype: torch.dtype, kind: str, *, kernel: bool, ops: int) -> 
         elif op == "free":
             flag = rng.random() < 0.5
             assert host.set_free(h, flag) == as_list(device.set_free(d, flag))
-        elif op == "own":
-            host.own_writes(h, now)
-            device.own_writes(d, now)
+        elif op == "own":  # nobody named, one owner, or one owner per page
+            named = rng.choice([None, owner, [rng.randint(-1, 5) for _ in pages]])
+            host.own_writes(h, now, named)
+            device.own_writes(d, now, named)
         elif op == "stale":
             expected = [rng.randint(0, 3) for _ in pages]
             assert host.stale(h, expected) == as_list(device.stale(d, torch.tensor(expected)))

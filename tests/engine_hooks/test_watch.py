@@ -15,7 +15,7 @@ from engine_hooks.detectors import Admission, Canary, PageTags, TransferChecksum
 from engine_hooks.pagestate import DevicePages
 from engine_hooks.testing import read_spool
 from kvspool import catalogue
-from tests.engine_hooks.harness import Pair, fill, make_pool
+from tests.engine_hooks.harness import Pair, as_list, fill, make_pool
 
 
 def test_events_counters_and_gauges_reach_the_spool(tmp_path: Path) -> None:
@@ -258,3 +258,33 @@ def test_ids_that_utf8_cannot_hold_still_reach_the_spool(tmp_path: Path) -> None
     watch.close()
     (event,) = read_spool(tmp_path).events(detector="admission")
     assert event["request_id"].startswith("bad\\ud800x") and len(event["request_id"]) == 128
+
+
+@pytest.mark.parametrize("device_backend", [False, True], ids=["host", "device"])
+def test_extend_each_is_extend_for_each_ticket(device_backend: bool) -> None:
+    """One page for each of several tickets in one call (a decode step at page size 1) leaves
+    the tickets, the write records and the step check as ``extend`` once per ticket does."""
+    results = []
+    for batched in (False, True):
+        w = _watch("log", device_backend)
+        assert w._state is not None
+        w.on_alloc([0, 1, 2])
+        tickets = [w.on_reserve(f"r{i}", [i]) for i in range(3)]
+        assert all(t is not None for t in tickets)
+        held = [t for t in tickets if t is not None]
+        fill(w.pool, [0, 1, 2], random.Random(1))  # the transfer writes the reserved pages
+        for t in held:
+            w.landed(t)
+        for step in range(2):
+            pages = [3 + 3 * step + i for i in range(3)]
+            w.on_alloc(pages)
+            if batched:
+                w.extend_each(held, pages)
+            else:
+                for t, page in zip(held, pages, strict=True):
+                    w.extend(t, [page])
+        assert w.check_batch(held) == []
+        keys, _ = w._state.sources(list(range(9)))
+        results.append(([as_list(t.pages) for t in held], [as_list(t.tags) for t in held], keys))
+    assert results[0] == results[1]
+    assert results[1][0] == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]

@@ -169,3 +169,32 @@ def test_radix_dedup_at_page_size_one_is_not_a_stale_slot(kv: Any) -> None:
         bed.admit([other])
         bed.run_until_idle()
         assert sgl.spool(kv).events() == []
+
+
+@decode
+def test_the_slots_a_decode_step_starts_join_their_own_requests(kv: Any) -> None:
+    """At page size 1 each decode step starts a slot for every running request (one
+    ``extend_each`` for the batch): each slot joins its own request's ticket. A slot the first
+    request's decode wrote, freed by mistake while it runs and handed to a new request, is a
+    stale tag for that request alone."""
+    with Bed(page_size=1, radix=False, pages=256) as bed:
+        reqs = [arrive_and_reserve(bed, f"run-{i}", 20 + i, start=1 + 50 * i) for i in range(3)]
+        for req in reqs:
+            bed.transfer(req)
+        assert bed.admit(reqs) == []
+        for _ in range(3):
+            bed.step()
+        assert sgl.spool(kv).events() == []
+        victim = reqs[0]
+        row = bed.rows.req_to_token[victim.kv.req_pool_idx]
+        reserved = set(bed.dst_pages(victim))
+        decoded = [int(s) for s in row[len(victim.origin_input_ids) :][:3]]
+        assert decoded and not set(decoded) & reserved  # slots its decode steps took
+        stolen = decoded[-1]
+        bed.allocator.free(torch.tensor([stolen], dtype=torch.int64))  # freed while it runs
+        bed.allocator.merge_and_sort_free()
+        thief = arrive_and_reserve(bed, "thief", 1, start=900)
+        assert bed.dst_pages(thief) == [stolen]
+        bed.step()
+        events = sgl.spool(kv).events(detector="page_tag", kind="stale_tag")
+        assert [(e["request_id"], e["pages"]) for e in events] == [("run-0", [stolen])]
