@@ -35,12 +35,13 @@ from engine_hooks.testing import SpoolContents, read_spool
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "build" / "sglang-pd-model"
 START_TIMEOUT_S = 300.0  # three servers starting together on a busy 2-core machine
-ROUTER_TIMEOUT_S = 150.0  # the router re-checks its workers every 30 s
+ROUTER_TIMEOUT_S = 150.0  # a busy machine: the router's first checks may time out
 REQUEST_TIMEOUT_S = 120.0
 KVWATCH_ABORT = "kvwatch: KV cache integrity check failed"
 PAGE_SIZE = 16
 CONTEXT = 1024
 POOL_TOKENS = 8192
+RADIX_POOL_TOKENS = 1536  # the enforce decode's (radix cache on): 96 pages of 16
 
 #: SGLang's flags for a CPU-only machine (README.md: what each one replaces).
 CPU_FLAGS = [
@@ -197,6 +198,9 @@ def router(workdir: Path, prefill: Process, bootstrap: int, decode: Process) -> 
         # Its metrics listen on 0.0.0.0:29000 by default.
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(free_port()),
+        # Its workers are up before it starts: it checks them every second (default 30 s), so
+        # it serves within seconds, not after a whole interval.
+        "--worker-startup-check-interval", "1",
     ]  # fmt: skip
     return Process("router", cmd, base_env(None, "off", ""), workdir, port)
 
@@ -303,6 +307,11 @@ class Bed:
     def spool(self, name: str) -> SpoolContents:
         return read_spool(self.spools[name])
 
+    def owners(self, mode: str) -> Path:
+        """Decode ``mode``'s reserves and rows as SGLang held them (``drain_rows``,
+        ``page_owners``; the radix decode only)."""
+        return Path(self.decode[mode].env["KVWATCH_BED_OWNERS"])
+
     def all_processes(self) -> list[Process]:
         return [self.prefill, *self.decode.values(), self.router]
 
@@ -343,17 +352,27 @@ def running_bed(
     decode: dict[str, Process] = {}
     spools: dict[str, Path] = {"prefill": prefill_spool}  # type: ignore[dict-item]
     for mode in ("log", "enforce"):
-        # The decode radix cache off on one decode server, on on the other.
-        radix = ["--disaggregation-decode-enable-radix-cache"] if mode == "enforce" else []
+        # The decode radix cache off on one decode server, on on the other; that one's pool
+        # small enough that the pages its cache's dedup frees are soon taken again (SGLang
+        # hands out never-used pages first), with a decode reserve to match (512 by default).
+        radix = (
+            ["--disaggregation-decode-enable-radix-cache", "--max-total-tokens",
+             str(RADIX_POOL_TOKENS), "--num-reserved-decode-tokens", "16"]
+            if mode == "enforce"
+            else []
+        )  # fmt: skip
         server, spool, _ = sglang_server(
             f"decode-{mode}",
             workdir,
             role="decode",
             transport=transport,
             mode=mode,
+            # Ground truth for the radix cache's dedup: SGLang's reserves and rows.
+            plugins="kvwatch,cpu_bed,page_owners,drain_rows" if radix else "kvwatch,cpu_bed",
             extra=radix + (decode_extra or []),
             page_size=page_size,
         )
+        server.env["KVWATCH_BED_OWNERS"] = str(workdir / f"owners-decode-{mode}.jsonl")
         decode[mode] = server
         spools[server.name] = spool  # type: ignore[assignment]
     front = router(workdir, prefill, bootstrap, decode["log"])
@@ -376,7 +395,8 @@ def warm_router(bed: Bed) -> None:
 
 
 def serving(front: Process) -> None:
-    """The router accepts its workers after its first health pass (up to about 60 s)."""
+    """The router accepts its workers after its first health pass (seconds: it checks every
+    second, ``router``)."""
     deadline = time.monotonic() + ROUTER_TIMEOUT_S
     last = ""
     while time.monotonic() < deadline:

@@ -42,7 +42,7 @@ echo "$HERE/stubs" > "$SITE/kvwatch-pd-stubs.pth"
 SHIM="$SITE/kvwatch_sglang_pd_cpu_bed-0.0.0.dist-info"
 mkdir -p "$SHIM"
 printf 'Metadata-Version: 2.1\nName: kvwatch-sglang-pd-cpu-bed\nVersion: 0.0.0\n' > "$SHIM/METADATA"
-printf '[sglang.srt.plugins]\ncpu_bed = tests.sglang_pd.cpu_shims:register\ncorrupt_after_seal = tests.sglang_pd.corrupter:register\nadmit_0_5_19 = tests.sglang_pd.release_0_5_19:register\npage_owners = tests.sglang_pd.page_owners:register\n' \
+printf '[sglang.srt.plugins]\ncpu_bed = tests.sglang_pd.cpu_shims:register\ncorrupt_after_seal = tests.sglang_pd.corrupter:register\nadmit_0_5_19 = tests.sglang_pd.release_0_5_19:register\npage_owners = tests.sglang_pd.page_owners:register\ndrain_rows = tests.sglang_pd.drain_rows:register\n' \
     > "$SHIM/entry_points.txt"
 
 want="$(cat "${BASH_SOURCE[0]}" "$HERE/requirements.txt" "$ROOT/tests/vllm_pd/make_model.py" \

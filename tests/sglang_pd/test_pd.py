@@ -11,9 +11,12 @@ mode, and the server goes on serving.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,6 +142,81 @@ def test_requests_aborted_mid_transfer_give_no_finding(
         assert describe(events(bed, server)) == [], server
         assert counter(bed, server, "hook_errors") == 0, server
     assert counter(bed, "decode-log", "verifications_skipped", reason="no_seal") == 0
+
+
+def lines_of(owners: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in owners.read_text().splitlines()]
+
+
+def reserved_pages(owners: Path, rid: str) -> set[int]:
+    return {p for line in lines_of(owners) if line.get("reserved") and line["rid"] == rid
+            for p in line["pages"]}  # fmt: skip
+
+
+def deduplicated(owners: Path, rids: list[str]) -> set[int]:
+    """SGLang's own lines (``drain_rows``: what ``_pre_alloc`` reserved; ``page_owners``: each
+    row when it ran) show the tree insert's dedup of one admission: both requests reserved
+    before either ran, and one's row reads pages the other reserved while pages it reserved
+    itself are not in its row (freed as duplicates). A prefix matched at reserve time (a
+    request after the other was admitted) reserves only the rest, after the other ran. Returns
+    the pages freed as duplicates (none: no dedup)."""
+    lines = lines_of(owners)
+    reserved: dict[str, tuple[int, set[int]]] = {}
+    ran: dict[str, tuple[int, set[int]]] = {}
+    for at, line in enumerate(lines):
+        if line.get("reserved"):
+            reserved.setdefault(line["rid"], (at, set(line["pages"])))
+        elif not {"released", "outcome"} & set(line):
+            ran.setdefault(line["rid"], (at, set(line["pages"])))
+    if not all(rid in reserved and rid in ran for rid in rids):
+        return set()
+    if max(reserved[rid][0] for rid in rids) > min(ran[rid][0] for rid in rids):
+        return set()
+    for mine, other in (rids, rids[::-1]):
+        row, own, theirs = ran[mine][1], reserved[mine][1], reserved[other][1]
+        if row & theirs and own - row:
+            return own - row
+    return set()
+
+
+def test_the_decode_radix_cache_dedup_of_one_admission_gives_no_finding(bed: Bed) -> None:
+    """Two requests with one prompt (about 300 tokens), preallocated on decode before either is
+    admitted and admitted together: SGLang's tree insert frees the second one's duplicate pages
+    and points its row at the first one's; a later request takes the freed pages. Every page a
+    row reads holds the right KV: no finding (it was a false ``page_tag/stale_tag``). That the
+    dedup happened is read from SGLang's reserves and rows (:func:`deduplicated`), never
+    assumed: the two are sent at once (one prefill batch, one transfer poll on decode), tried
+    again with a fresh prompt if decode admitted them apart."""
+    server = "decode-enforce"  # the decode radix cache is on there
+    owners = bed.owners("enforce")
+    before = len(events(bed, server))
+    freed: set[int] = set()
+    for attempt in range(4):
+        text = f"dedup {attempt} " + prompt(20 + attempt, 240)
+        rids = [f"dedup-{bed.transport}-{attempt}-{k}" for k in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            sent = [pool.submit(bed.direct, "enforce", text, MAX_TOKENS, rid) for rid in rids]
+            replies = [reply.result() for reply in sent]
+        assert [r.status for r in replies] == [200, 200], replies
+        assert replies[0].output_ids == replies[1].output_ids
+        freed = deduplicated(owners, rids)
+        if freed:
+            break
+    else:
+        pytest.fail("decode never admitted two same-prompt requests together (4 tries)")
+    # The freed duplicates go to the next requests (the pool is small, RADIX_POOL_TOKENS): the
+    # rows stay right and nothing is stale. That one took them is SGLang's _pre_alloc's word.
+    for k in range(6):
+        rid = f"after-{bed.transport}-{k}"
+        served = bed.direct("enforce", f"after {k} " + prompt(30 + k, 240), MAX_TOKENS, rid=rid)
+        assert served.status == 200, served.body
+        if reserved_pages(owners, rid) & freed:
+            break
+    else:
+        pytest.fail(f"no request took the pages the dedup freed: {sorted(freed)}")
+    time.sleep(1.0)  # one spool flush
+    assert describe(events(bed, server)[before:]) == []
+    assert counter(bed, server, "hook_errors") == 0
 
 
 def corrupted(bed: Bed, mode: str, words: int) -> tuple[Any, list[dict[str, Any]]]:
