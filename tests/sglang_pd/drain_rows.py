@@ -1,9 +1,8 @@
-"""Ground truth for test_deferred_release.py: decode's reserves and its deferred releases (a
-test-only plugin, independent of kvwatch).
+"""Ground truth for test_deferred_release.py and the radix dedup test: decode's reserves and its
+deferred releases (a test-only plugin, independent of kvwatch).
 
-Plugin ``drain_rows``, loaded by SGLang in decode's scheduler like any other: the test writes its
-entry point into a ``.dist-info`` of its own work directory and puts that directory on decode's
-``PYTHONPATH`` (nothing in the venv changes). Each line goes to ``$KVWATCH_BED_OWNERS``, the file
+Plugin ``drain_rows`` (an entry point of this bed's venv, setup_env.sh), loaded by SGLang in
+decode's scheduler like any other. Each line goes to ``$KVWATCH_BED_OWNERS``, the file
 ``page_owners`` writes each decode batch's rows to, so the order of the lines is the order in
 which decode's scheduler did these things:
 
