@@ -216,9 +216,28 @@ def throughput(device: torch.device, sizes: Sizes) -> None:
 # -- 3. per-step page checks ------------------------------------------------------------------
 
 
+def no_sync_per_step(watch: KVWatch, tickets: list[Ticket], pages: torch.Tensor) -> None:
+    """The per-step path never synchronises: the batch check, and a page for every request
+    (``extend_each``, a decode step at page size 1), under CUDA's sync debug mode, which raises
+    on any sync; a hook counts what it catches, so the count is what is checked."""
+    before = sum(watch.counter("hook_errors", h) for h in ("step", "reserve"))
+    lengths = [len(t.pages) for t in tickets]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        watch.check_batch(tickets)
+        watch.extend_each(tickets, pages)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    after = sum(watch.counter("hook_errors", h) for h in ("step", "reserve"))
+    check("per-step hooks: no device sync (CUDA sync debug mode)", after == before)
+    grown = [len(t.pages) - n for t, n in zip(tickets, lengths, strict=True)]
+    check("per-step hooks: each ticket got its one page", grown == [1] * len(tickets))
+    watch.resolve()
+
+
 def step_cost(device: torch.device, sizes: Sizes) -> None:
     per_request = -(-sizes.context // sizes.page_tokens)
-    num_pages = sizes.batch * per_request + 1
+    num_pages = sizes.batch * per_request + 1 + sizes.batch  # a page more for each: extend_each
     buffers = [torch.zeros((num_pages * sizes.page_tokens, 16), dtype=torch.bfloat16,
                            device=device)]  # fmt: skip
     pool = PagedKVPool(buffers, sizes.page_tokens)
@@ -266,6 +285,8 @@ def step_cost(device: torch.device, sizes: Sizes) -> None:
           f"{100 * checks / step:6.2f}% of the step")  # fmt: skip
     print(f"  {'  its host CPU per call':<36} {1e6 * host:10.1f} us  "
           f"{1e6 * host / sizes.batch:6.2f} us per running request")  # fmt: skip
+    if device.type == "cuda":
+        no_sync_per_step(watch, tickets, order[sizes.batch * per_request :])
     # A planted fault in the same batch is found (read at the engine's next sync point).
     pool.tag_store[tickets[7].pages[3]] += 1
     found = watch.check_batch(tickets) + watch.resolve()

@@ -319,7 +319,7 @@ def step_hooks_at_batch(
 
     shape = "one on_alloc + extend_each a step" if batched else "on_alloc + extend per page"
     print(
-        f"per-step hooks ({shape}) at batch {batch}, {context}-token contexts, page {page_size}, "
+        f"per-step hooks at batch {batch} ({shape}), {context}-token contexts, page {page_size}, "
         f"{steps} steps, CPU tensors, {rounds} interleaved rounds; host CPU per step per "
         f"running request, best of the rounds: the loop without hooks {spread(results['none'])}; "
         + "; ".join(

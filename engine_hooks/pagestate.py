@@ -169,7 +169,12 @@ class DevicePages:
         if isinstance(owner, int):
             self.holders[index, CURRENT, KEY] = owner
         elif owner is not None:
-            keys = torch.as_tensor(owner, dtype=torch.int64)
+            keys = torch.tensor(owner, dtype=torch.int64)
+            if self.holders.device.type == "cuda":
+                # Pinned and async: a copy from pageable host memory would wait for the stream
+                # (a sync on decode's per-step path); the caching host allocator keeps the
+                # buffer until the copy is done.
+                keys = keys.pin_memory().to(self.holders.device, non_blocking=True)
             self.holders[index, CURRENT, KEY] = keys.to(self.holders.device)
 
     def claim(self, pages: Ints, owner: int, now: float) -> None:

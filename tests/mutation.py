@@ -9,8 +9,10 @@ with it removed; the first pair is the baseline (nothing removed), which must pa
 
 Prints the table (mutant, tests failed, first failing test, killed) and exits non-zero when the
 baseline fails or any mutant survives. The baseline runs first and alone; the mutants then run
-``KVWATCH_MUTATION_JOBS`` at a time (default: one per CPU), each in its own interpreter with one
-torch thread, since most of a mutant's time is one core importing the engine.
+``KVWATCH_MUTATION_JOBS`` at a time (default: one per CPU this process may use), each in its own
+interpreter with one torch thread, since most of a mutant's time is one core importing the
+engine. A mutant is killed when pytest fails a test or hangs; a run that does neither (a crash,
+a usage error, nothing collected) fails the check.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class Result:
     first: str
     seconds: float
     killed: bool
+    #: The run neither passed nor failed a test (a crash, a usage error, no test collected):
+    #: no evidence either way, so the check fails.
+    broken: bool = False
 
 
 def run(mutant: Mutant, timeout: float, env: dict[str, str] | None = None) -> Result:
@@ -68,11 +73,14 @@ def run(mutant: Mutant, timeout: float, env: dict[str, str] | None = None) -> Re
             code = None
         seconds = time.monotonic() - start
         failed, first = _failures(report)
-    if code is None:
+    if code is None:  # a hook removed that makes the tests hang: they did not pass
         return Result(mutant.name, failed, "(timed out)", seconds, True)
-    if code != 0 and not failed:
-        first = f"(pytest exit {code})"  # collection error, crash: the tests did not pass
-    return Result(mutant.name, failed, first, seconds, code != 0)
+    if code == 1 and failed:  # pytest's "tests failed", and the report names them
+        return Result(mutant.name, failed, first, seconds, True)
+    if code == 0:
+        return Result(mutant.name, failed, first, seconds, False)
+    # A crash (killed for memory, say), a usage error, nothing collected: not a kill.
+    return Result(mutant.name, failed, f"(pytest exit {code})", seconds, False, broken=True)
 
 
 def _failures(report: Path) -> tuple[int, str]:
@@ -91,6 +99,7 @@ def table(results: list[Result]) -> str:
     rows = [("mutant", "tests failed", "first failing test", "seconds", "killed")]
     for r in results:
         killed = "-" if r.name == BASELINE else ("yes" if r.killed else "NO")
+        killed = "ERROR" if r.broken else killed
         rows.append((r.name, str(r.failed), r.first or "-", f"{r.seconds:.0f}", killed))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
@@ -114,15 +123,16 @@ def main(argv: list[str]) -> int:
         print("usage: mutation.py ENGINE", file=sys.stderr)
         return 2
     mutants = load(argv[0])
-    baseline = run(mutants[0], timeout=900)
+    jobs = int(os.environ.get("KVWATCH_MUTATION_JOBS") or len(os.sched_getaffinity(0)))
+    # One torch thread per interpreter: two mutants on two cores, not four threads fighting;
+    # the baseline runs so too, so that it passes in the mutants' environment.
+    env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None
+    baseline = run(mutants[0], timeout=900, env=env)
     print(f"mutation: {baseline.name}: {'killed' if baseline.killed else 'passed'}", flush=True)
-    if baseline.killed:
+    if baseline.killed or baseline.broken:
         print(table([baseline]))
         print("mutation: the tests fail with nothing removed", file=sys.stderr)
         return 1
-    jobs = int(os.environ.get("KVWATCH_MUTATION_JOBS") or os.cpu_count() or 1)
-    # One torch thread per interpreter: two mutants on two cores, not four threads fighting.
-    env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None
 
     def one(mutant: Mutant) -> Result:
         result = run(mutant, timeout=900, env=env)
@@ -132,6 +142,10 @@ def main(argv: list[str]) -> int:
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         results = [baseline, *pool.map(one, mutants[1:])]
     print(table(results))
+    broken = [r.name for r in results if r.broken]
+    if broken:
+        print(f"mutation: {len(broken)} run(s) neither passed nor failed a test: {broken}")
+        return 1
     survivors = [r.name for r in results if r.name != BASELINE and not r.killed]
     if survivors:
         print(f"mutation: {len(survivors)} hook(s) removed with no test failing: {survivors}")

@@ -20,7 +20,7 @@ def test_page_size_one_against_sixteen_prints_its_ratios() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "2 alternating rounds" in done.stdout
-    for what in ("request's life", "per-step hooks, batch 4"):
+    for what in ("request's life", "one extend_each a step, batch 4", "a call per started page"):
         line = next(x for x in done.stdout.splitlines() if what in x and "ratio" in x)
         ratio = float(re.search(r"ratio page 1 / page 16 ([\d.]+)", line)[1])  # type: ignore[index]
         assert ratio > 1  # a page per token costs more than a page per 16 tokens

@@ -70,8 +70,11 @@ from tests.sglang_pd.incident import Prefill, with_room
 
 TRANSPORT = "mooncake_tcp"
 DECODE_POOL = 1024  # tokens: 64 pages of 16
-RELEASE_TIMEOUT_S = 3.0  # SGLang's deferred-release timeout here (30 s by default)
-WINDOW_S = 6.0  # kvwatch's KVWATCH_FREED_WATCH_S here (10 s by default)
+# SGLang's deferred-release timeout here (30 s by default): long enough for the drained
+# control's ACK on a slow machine.
+RELEASE_TIMEOUT_S = 8.0
+# kvwatch's KVWATCH_FREED_WATCH_S here (10 s by default): three PD requests must be done in it.
+WINDOW_S = 10.0
 MAX_TOKENS = 8
 ABORTED_WORDS = 135  # about 330 tokens: 21 pages
 # About 795 tokens: 50 pages, more than the 43 the pool has besides the aborted request's, so a
@@ -108,9 +111,9 @@ class Drain:
         return self.workdir / "owners-decode.jsonl"
 
     def lines(self) -> list[dict[str, Any]]:
-        if not self.owners.exists():
-            return []
-        return [json.loads(line) for line in self.owners.read_text().splitlines()]
+        """SGLang's lines, in decode's order; a line still being written is left for later."""
+        text = self.owners.read_text() if self.owners.exists() else ""
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
     def spool(self, name: str) -> SpoolContents:
         return read_spool(self.workdir / f"spool-{name}")
@@ -209,11 +212,11 @@ def abort_while_prefill_stalls(drain: Drain, rid: str, seed: int) -> Aborted:
         served = at_decode.result(timeout=WAIT_S)
         # SGLang's own line: the transfer failed ("Aborted by AbortReq.") and its pages are held.
         wait_until(lambda: SGLANG_HELD.format(rid=rid) in drain.decode.text(), f"{rid} held")
+        assert served.status != 200, served  # the client got the abort
+        assert drain.scheduler.status() == psutil.STATUS_STOPPED  # prefill sent no ACK
     except BaseException:
         drain.scheduler.resume()
         raise
-    assert served.status != 200, served  # the client got the abort
-    assert drain.scheduler.status() == psutil.STATUS_STOPPED  # prefill sent no ACK
     return Aborted(rid, int(body["bootstrap_room"]), at_prefill, served)
 
 
