@@ -186,6 +186,12 @@ def sglang_server(
     return Process(name, cmd, env, workdir, port), spool, bootstrap
 
 
+def small_pool(tokens: int) -> list[str]:
+    """A decode's flags for a pool of ``tokens``, with a decode reserve to match (SGLang's 512 by
+    default would be much of it): freed pages are soon handed out again."""
+    return ["--max-total-tokens", str(tokens), "--num-reserved-decode-tokens", "16"]
+
+
 def router(workdir: Path, prefill: Process, bootstrap: int, decode: Process) -> Process:
     port = free_port()
     cmd = [
@@ -356,11 +362,10 @@ def running_bed(
         # small enough that the pages its cache's dedup frees are soon taken again (SGLang
         # hands out never-used pages first), with a decode reserve to match (512 by default).
         radix = (
-            ["--disaggregation-decode-enable-radix-cache", "--max-total-tokens",
-             str(RADIX_POOL_TOKENS), "--num-reserved-decode-tokens", "16"]
+            ["--disaggregation-decode-enable-radix-cache", *small_pool(RADIX_POOL_TOKENS)]
             if mode == "enforce"
             else []
-        )  # fmt: skip
+        )
         server, spool, _ = sglang_server(
             f"decode-{mode}",
             workdir,

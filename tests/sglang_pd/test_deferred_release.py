@@ -64,6 +64,7 @@ from tests.sglang_pd.bed import (
     only_loopback,
     post,
     sglang_server,
+    small_pool,
     stop_all,
 )
 from tests.sglang_pd.incident import Prefill, with_room
@@ -160,8 +161,7 @@ def drain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Drain]:
         role="decode",
         transport=TRANSPORT,
         plugins="kvwatch,cpu_bed,page_owners,drain_rows",
-        # A small pool (and a small decode reserve, the default 512 tokens being half of it).
-        extra=["--max-total-tokens", str(DECODE_POOL), "--num-reserved-decode-tokens", "16"],
+        extra=small_pool(DECODE_POOL),
     )
     decode.env.update(
         SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=str(RELEASE_TIMEOUT_S),
