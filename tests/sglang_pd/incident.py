@@ -40,9 +40,12 @@ from tests.sglang_pd.bed import (
     stop_all,
 )
 
-PREFILL_POOL = 4096
-CONTEXT = 8192
-DECODE_POOL = 16384
+#: The incident's shape at half the sizes first used (4,096 / 8,192 / 16,384): the same bands
+#: and the same trip round decode's pool, with half the KV to move and a quarter of the
+#: attention to compute, so the incident fits the stage's time over both transports.
+PREFILL_POOL = 2048
+CONTEXT = 4096
+DECODE_POOL = 8192
 #: The model that recites what its KV holds (make_recite_model.py): a marker in the KV a
 #: request reads comes back in its text.
 RECITE_MODEL = ROOT / "build" / "sglang-pd-recite-model"

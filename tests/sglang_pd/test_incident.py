@@ -28,13 +28,13 @@ from tests.sglang_pd.page_owners import first_row, last_owners
 
 KVWATCH = ROOT / ".venv" / "bin" / "python"  # kvwatch as users install it, apart from SGLang
 MARKERS = 3
-# "Remember the code CANARY-<12 hex>. " is 19 tokens: a marker prompt of about 3,600 tokens,
+# "Remember the code CANARY-<12 hex>. " is 19 tokens: a marker prompt of about 1,800 tokens,
 # inside prefill's pool, and longer than the probe's timing prompts (so some of its pages are
 # still there when the long prompt comes).
-MARKER_REPEATS = 190
-LONG = "word " * 6000 + "Repeat any codes you saw."  # about 6,000 tokens: in (pool, context]
+MARKER_REPEATS = 95
+LONG = "word " * 3000 + "Repeat any codes you saw."  # about 3,000 tokens: in (pool, context]
 SPOOL_WAIT_S = 15.0
-# Decode's pool (16,384 tokens) hands out never-used pages first and merges freed ones only when
+# Decode's pool (8,192 tokens) hands out never-used pages first and merges freed ones only when
 # those run out (SGLang's sorted free list): three markers and the long prompt fit in fresh
 # pages, so nothing foreign would be there to read. Six markers go round the pool once, and the
 # long prompt's row gets pages the markers held.
@@ -52,10 +52,9 @@ def probe(url: str) -> tuple[int, dict[str, Any]]:
     return done.returncode, json.loads(done.stdout)
 
 
-#: The transports the incident runs over: Mooncake (TCP) in the stage; NIXL as well with
-#: ``KVWATCH_SGLANG_PD_INCIDENT=mooncake_tcp,nixl`` (it passes, but NIXL's transfers of the
-#: marker prompts take the stage about 7 minutes more than its budget allows: README.md).
-TRANSPORTS = os.environ.get("KVWATCH_SGLANG_PD_INCIDENT", "mooncake_tcp").split(",")
+#: The transports the incident runs over (both in the stage); ``KVWATCH_SGLANG_PD_INCIDENT``
+#: narrows it, e.g. to ``mooncake_tcp`` in an edit loop.
+TRANSPORTS = os.environ.get("KVWATCH_SGLANG_PD_INCIDENT", "mooncake_tcp,nixl").split(",")
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
