@@ -51,9 +51,6 @@ CPU_FLAGS = [
     "--disable-cuda-graph",
     "--dtype", "float32",
     "--skip-server-warmup",
-    # An idle scheduler waits on its sockets instead of spinning: three or four servers on two
-    # cores, each idle one otherwise holding most of a core from the others.
-    "--sleep-on-idle",
 ]  # fmt: skip
 
 
