@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from tests.sglang_pd.bed import (
     post,
     sglang_server,
     stop_all,
+    with_room,
 )
 
 WARM_TOKENS = 4
@@ -66,11 +66,7 @@ def in_namespace() -> None:
 def tpot(prefill: Process, bootstrap: int, decode: Process, tokens: int) -> float:
     """One PD request the way the router sends it (one body to prefill and decode, a fresh
     room), decode's reply streamed: seconds per output token from the first to the last."""
-    body = generate_body(PROMPT, tokens) | {
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": bootstrap,
-        "bootstrap_room": random.getrandbits(62),
-    }
+    body = with_room(generate_body(PROMPT, tokens), bootstrap)
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(post, prefill.url, body)
         stamps: list[tuple[float, int]] = []  # (when, completion tokens so far)

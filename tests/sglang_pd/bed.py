@@ -237,6 +237,15 @@ def generate_body(text: str, max_tokens: int, rid: str | None = None) -> dict[st
     return body
 
 
+def with_room(body: dict[str, Any], bootstrap: int) -> dict[str, Any]:
+    """The body with prefill's bootstrap address and a fresh room (what a PD router adds)."""
+    return body | {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap,
+        "bootstrap_room": random.getrandbits(62),
+    }
+
+
 def post(url: str, body: dict[str, Any]) -> Reply:
     try:
         r = requests.post(url + "/generate", json=body, timeout=REQUEST_TIMEOUT_S)
@@ -288,11 +297,7 @@ class Bed:
         """PD the way the router does it: one body to prefill and decode, a fresh room."""
 
         def once() -> Reply:
-            body = generate_body(text, max_tokens, rid) | {
-                "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": self.bootstrap,
-                "bootstrap_room": random.getrandbits(62),
-            }
+            body = with_room(generate_body(text, max_tokens, rid), self.bootstrap)
             with ThreadPoolExecutor(2) as pool:
                 first = pool.submit(post, self.prefill.url, body)
                 served = pool.submit(post, self.decode[mode].url, body)

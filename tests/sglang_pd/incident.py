@@ -13,7 +13,6 @@ ground truth that kvwatch's findings are checked against.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from tests.sglang_pd.bed import (
     serving,
     sglang_server,
     stop_all,
+    with_room,
 )
 
 #: The incident's shape at half the sizes first used (4,096 / 8,192 / 16,384): the same bands
@@ -76,7 +76,7 @@ class Deployment:
     def direct(self, release: str, decode: str, text: str, max_tokens: int, rid: str) -> Reply:
         """One PD request the way the router sends it: the same body to prefill and decode."""
         prefill = self.prefills[release]
-        body = with_room(generate_body(text, max_tokens, rid), prefill)
+        body = with_room(generate_body(text, max_tokens, rid), prefill.bootstrap)
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(post, prefill.server.url, body)
             served = pool.submit(post, self.decodes[decode].url, body)
@@ -92,7 +92,7 @@ class Deployment:
         class Front(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                body = with_room(json.loads(raw), prefill)
+                body = with_room(json.loads(raw), prefill.bootstrap)
                 threading.Thread(target=post, args=(prefill.server.url, body), daemon=True).start()
                 served = requests.post(decode.url + self.path, json=body, timeout=600)
                 self.send_response(served.status_code)
@@ -112,15 +112,6 @@ class Deployment:
     def processes(self) -> list[Process]:
         servers = [p.server for p in self.prefills.values()]
         return [*servers, *self.decodes.values(), *self.routers.values()]
-
-
-def with_room(body: dict[str, Any], prefill: Prefill) -> dict[str, Any]:
-    """The body with prefill's bootstrap address and a fresh room (what a PD router adds)."""
-    return body | {
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": prefill.bootstrap,
-        "bootstrap_room": random.getrandbits(62),
-    }
 
 
 def _prefill(workdir: Path, transport: str, release: str, kvwatch: bool) -> Prefill:

@@ -66,8 +66,9 @@ from tests.sglang_pd.bed import (
     sglang_server,
     small_pool,
     stop_all,
+    with_room,
 )
-from tests.sglang_pd.incident import Prefill, with_room
+from tests.sglang_pd.incident import Prefill
 
 TRANSPORT = "mooncake_tcp"
 DECODE_POOL = 1024  # tokens: 64 pages of 16
@@ -120,7 +121,7 @@ class Drain:
         return read_spool(self.workdir / f"spool-{name}")
 
     def body(self, text: str, rid: str) -> dict[str, Any]:
-        return with_room(generate_body(text, MAX_TOKENS, rid), self.prefill)
+        return with_room(generate_body(text, MAX_TOKENS, rid), self.prefill.bootstrap)
 
     def pd(self, text: str, rid: str) -> tuple[Reply, float]:
         """One PD request as the router sends it; decode's reply and when it came."""
