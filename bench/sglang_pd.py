@@ -57,6 +57,9 @@ def in_namespace() -> None:
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        # Ephemeral ports from 32768 up, the bed's own below them (tests/sglang_pd/bed.py).
+        ports = "net.ipv4.ip_local_port_range=32768 60999"
+        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", ports], check=True)
         cmd = ["ip", "netns", "exec", ns, sys.executable, *sys.argv]
         raise SystemExit(subprocess.run(cmd, check=False).returncode)
     finally:

@@ -51,13 +51,30 @@ CPU_FLAGS = [
     "--disable-cuda-graph",
     "--dtype", "float32",
     "--skip-server-warmup",
+    # An idle scheduler waits on its sockets instead of spinning: three or four servers on two
+    # cores, each idle one otherwise holding most of a core from the others.
+    "--sleep-on-idle",
 ]  # fmt: skip
 
 
+#: The ports the bed hands out: under the kernel's ephemeral range, where bind(0), connect()
+#: and ZMQ's random ports (Mooncake's and NIXL's listeners) take theirs, and above SGLang's
+#: own range for its NCCL port (22,000-29,999) and Mooncake's RPC ports (15,000-17,000). A
+#: port a server binds only seconds later, once its schedulers are up, stays free meanwhile:
+#: one from bind(0) was once taken by another server's listener (its router failed to bind).
+PORTS = range(30000, 32768)
+_ports = iter(PORTS)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on, each handed out once per test session."""
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert ephemeral > PORTS[-1], f"the ephemeral range starts at {ephemeral} (run.sh sets it)"
+    for port in _ports:
+        with socket.socket() as s, suppress(OSError):
+            s.bind(("0.0.0.0", port))  # every interface: Mooncake listens on all of them
+            return port
+    raise RuntimeError(f"sglang-pd bed: no free port left in {PORTS}")
 
 
 def only_loopback() -> bool:
@@ -211,9 +228,15 @@ def router(workdir: Path, prefill: Process, bootstrap: int, decode: Process) -> 
     return Process("router", cmd, base_env(None, "off", ""), workdir, port)
 
 
-def stop_all(processes: list[Process], grace_s: float = 8.0) -> None:
+def stop_all(processes: list[Process], grace_s: float = 3.0) -> None:
+    """SIGTERM to each main process alone, which stops its own schedulers (SGLang's graceful
+    exit), then, after ``grace_s``, SIGKILL to what is left of each group: a server's drain
+    and the router's clean-up take up to 5 s, for nothing a test reads. SIGTERM to the whole
+    group reached the schedulers first, and SGLang's main process took their deaths for a crash
+    and waited 5 s for crash diagnostics, at every teardown."""
     for p in processes:
-        p.signal_group(signal.SIGTERM)
+        if p.proc is not None and p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in processes:
         p.reap(deadline)

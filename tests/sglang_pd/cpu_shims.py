@@ -57,8 +57,31 @@ def _nixl_dram() -> None:
         setattr(agent, name, as_dram)
 
 
+#: How long NIXL's UCX progress thread waits between its rounds, in microseconds.
+NIXL_PROGRESS_DELAY_US = 1000
+
+
+def _nixl_progress_delay() -> None:
+    """NIXL's Python agent sets its progress thread's delay to 0 (``pthrDelay``, nixl/_api.py),
+    so the thread polls UCX without pause: a whole core per NIXL server, idle or not, which a
+    2-core machine with three servers cannot spare. The thread stays (UCX over TCP needs it to
+    land a transfer); it waits :data:`NIXL_PROGRESS_DELAY_US` between rounds instead."""
+    api = importlib.import_module("nixl._api")
+    bindings = api.nixlBind
+    create = bindings.nixlAgent
+    if getattr(create, "_cpu_bed", False):
+        return
+
+    def with_delay(name: str, config: Any) -> Any:
+        config.pthrDelay = NIXL_PROGRESS_DELAY_US
+        return create(name, config)
+
+    with_delay._cpu_bed = True  # type: ignore[attr-defined]
+    bindings.nixlAgent = with_delay
+
+
 def register() -> None:
-    for shim in (_mooncake_host_indices, _nixl_dram):
+    for shim in (_mooncake_host_indices, _nixl_dram, _nixl_progress_delay):
         try:
             shim()
         except ImportError as error:  # that transport is not installed: its shim is not needed

@@ -12,5 +12,8 @@ NS="kvwatch-pd-$$"
 ip netns add "$NS"
 trap 'ip netns del "$NS" 2>/dev/null || true' EXIT
 ip netns exec "$NS" ip link set lo up
+# The kernel's ephemeral ports (bind(0), connect(), ZMQ's random ports) from 32768 up: the bed
+# hands out its own ports below them (tests/sglang_pd/bed.py, PORTS).
+ip netns exec "$NS" sysctl -qw net.ipv4.ip_local_port_range="32768 60999"
 KVWATCH_SGLANG_PD_STAGE=1 ip netns exec "$NS" timeout -k 30 1800 build/sglang-pd-venv/bin/python -m pytest \
     -p no:cacheprovider --basetemp=build/sglang-pd-tmp tests/sglang_pd "$@"

@@ -23,7 +23,7 @@ import pytest
 
 from engine_hooks.testing import read_spool
 from tests.sglang_pd import incident
-from tests.sglang_pd.bed import KVWATCH_ABORT, PAGE_SIZE, ROOT, generate_body, post
+from tests.sglang_pd.bed import KVWATCH_ABORT, PAGE_SIZE, ROOT, generate_body, post, stop_all
 from tests.sglang_pd.page_owners import first_row, last_owners
 
 KVWATCH = ROOT / ".venv" / "bin" / "python"  # kvwatch as users install it, apart from SGLang
@@ -114,9 +114,7 @@ def test_with_0_5_23_s_own_code_the_long_prompt_is_refused_with_400(bare: Any) -
 @pytest.fixture(scope="module")
 def watched(transport: str, tmp_path_factory: pytest.TempPathFactory, bare: Any) -> Iterator[Any]:
     # After the bare deployment's tests: one deployment at a time on the bed's machine.
-    for process in bare.processes():
-        process.signal_group(15)
-    time.sleep(5.0)
+    stop_all(bare.processes())
     with incident.deployment(
         transport, tmp_path_factory.mktemp(f"incident-kvwatch-{transport}"), kvwatch=True
     ) as running:
