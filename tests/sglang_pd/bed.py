@@ -110,6 +110,7 @@ class Process:
     workdir: Path
     port: int
     proc: subprocess.Popen[bytes] | None = None
+    reaped: bool = False  # its group was killed (stop_all)
 
     @property
     def url(self) -> str:
@@ -142,16 +143,18 @@ class Process:
         raise TimeoutError(f"{self.name} not ready:\n{self.tail()}")
 
     def signal_group(self, sig: int) -> None:
-        if self.proc is not None:
+        # Never once reaped: its group id may since be another process's.
+        if self.proc is not None and not self.reaped:
             with suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
 
     def reap(self, deadline: float) -> None:
-        if self.proc is None:
+        if self.proc is None or self.reaped:
             return
         with suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         self.signal_group(signal.SIGKILL)
+        self.reaped = True
         self.proc.wait(timeout=10)
 
     def tail(self, n: int = 60) -> str:
@@ -238,8 +241,14 @@ def stop_all(processes: list[Process], grace_s: float = 3.0) -> None:
         if p.proc is not None and p.proc.poll() is None:
             p.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for p in processes:
-        p.reap(deadline)
+    failed: list[Exception] = []
+    for p in processes:  # every group killed, whichever one fails to go
+        try:
+            p.reap(deadline)
+        except (OSError, subprocess.SubprocessError) as error:
+            failed.append(error)
+    if failed:
+        raise failed[0]
 
 
 @dataclass

@@ -65,8 +65,8 @@ def _nixl_progress_delay() -> None:
     """NIXL's Python agent sets its progress thread's delay to 0 (``pthrDelay``, nixl/_api.py),
     so the thread polls UCX without pause: a whole core per NIXL server, idle or not, which a
     2-core machine with three servers cannot spare. The thread stays (UCX over TCP needs it to
-    land a transfer), with a delay of :data:`NIXL_PROGRESS_DELAY_US` instead. The one place
-    the agent is built (``nixl_agent.__init__``) calls ``nixlAgent`` here."""
+    land a transfer), with a delay of :data:`NIXL_PROGRESS_DELAY_US` instead, for every agent
+    built through ``nixlBind.nixlAgent`` in this process (the transfer's: ``nixl_agent``)."""
     api = importlib.import_module("nixl._api")
     bindings = api.nixlBind
     create = bindings.nixlAgent
