@@ -47,9 +47,24 @@ def sent_to(fleet: Fleet, replica: str) -> dict[str, float]:
     return {url: float(value) for url, value in found}
 
 
-def notifications_sent(fleet: Fleet, am: str) -> float:
-    """alertmanager_notifications_total for the webhook integration, from the peer's /metrics."""
+def _peer_sample(fleet: Fleet, am: str, pattern: str) -> float | None:
     with urllib.request.urlopen(fleet.urls[am] + "/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    match = re.search(r'alertmanager_notifications_total\{integration="webhook"\} (\S+)', text)
-    return float(match.group(1)) if match else 0.0
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def notifications_sent(fleet: Fleet, am: str) -> float:
+    """alertmanager_notifications_total for the webhook integration, from the peer's /metrics."""
+    found = _peer_sample(
+        fleet, am, r'^alertmanager_notifications_total\{integration="webhook"\} (\S+)'
+    )
+    return found or 0.0
+
+
+def peer_position(fleet: Fleet, am: str) -> int:
+    """alertmanager_peer_position: the peer's place in the cluster's send order (0 sends first,
+    position N waits N x peer_timeout and sends only if the notification log has no entry)."""
+    found = _peer_sample(fleet, am, r"^alertmanager_peer_position (\S+)")
+    assert found is not None, f"{am} exports no alertmanager_peer_position"
+    return int(found)

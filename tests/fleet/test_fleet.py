@@ -2,8 +2,8 @@
 
 A leak on one node's decode producer fires KVIntegrityMismatch on both replicas; the webhook gets
 exactly one firing notification for the alert group (alertname, node), holding one alert whose
-labels carry no ``replica``, and later exactly one resolution. With the peer that sent that
-page killed (kill -9) before the next leak, the page still arrives, once. With one replica
+labels carry no ``replica``, and later exactly one resolution. With the peer that sends first
+(position 0) killed (kill -9) before the next leak, the page still arrives, once. With one replica
 killed as well, the next one arrives, once. Then every dashboard query returns the same series
 from VictoriaMetrics (the replicas' remote_write target) as from Prometheus, and ``kvwatch
 incidents`` over the 8 journals, or the 8 incidents logs, lists every leak with its node.
@@ -29,6 +29,7 @@ from tests.fleet.pages import (
     expected_labels,
     group,
     notifications_sent,
+    peer_position,
     sent_to,
     wait_group,
 )
@@ -106,9 +107,13 @@ def test_the_latency_bench_measures_a_page_in_the_fleet(fleet: Fleet) -> None:
 
 
 def test_the_page_arrives_once_with_the_sending_peer_killed(fleet: Fleet) -> None:
-    sent = {f"am-{i}": notifications_sent(fleet, f"am-{i}") for i in range(PEERS)}
-    sender = max(sent, key=lambda am: sent[am])
-    assert sent[sender] > 0 and sum(sent.values()) == sent[sender], sent  # one peer sent
+    peers = [f"am-{i}" for i in range(PEERS)]
+    assert sum(notifications_sent(fleet, am) for am in peers) > 0  # the earlier pages went out
+    # The peer at position 0 sends first. Which peer sent an earlier group is no guide: each
+    # peer's flush starts when it got the alert, and on a loaded machine a later position's
+    # turn can come first (the notification log still keeps that group to one page).
+    positions = {am: peer_position(fleet, am) for am in peers}
+    sender = min(positions, key=lambda am: positions[am])
     fleet.kill9(sender)  # the peer that would send first: the others must take its turn
     leaked = fleet.node("node-5").producers["decode"].leak("fleet-leak-2")
     assert_paged_once(fleet, "node-5", leaked)
