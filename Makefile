@@ -56,7 +56,8 @@ check: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m alerts.generate --check
-	$(PY) -m pytest -q -x tests/kvspool tests/kvwatch $(CHECK_WITHOUT)
+	$(PY) -m dashboards.generate --check
+	$(PY) -m pytest -q -x tests/kvspool tests/kvwatch tests/engine_hooks $(CHECK_WITHOUT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

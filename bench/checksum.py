@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
 
+from bench._timing import best_seconds
 from engine_hooks import PagedKVPool, adler32
 from engine_hooks.checksum import adler32_chunks, native_read, tensor_buffer
 
@@ -43,15 +47,6 @@ MODELS = [
     Model("deepseek-v3 MLA bf16, page 64", 61, 576 * 2, 64),
     Model("llama-3-70b TP8 MHA fp8, page 64", 2 * 80, 1 * 128 * 1, 64),
 ]
-
-
-def best_seconds(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def build_pool(model: Model, mib: int, device: str) -> PagedKVPool:

@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 import kvspool
+from bench._timing import best_seconds
 from kvspool import catalogue
 from kvwatch.config import Config
 from kvwatch.daemon import Daemon
@@ -133,15 +134,6 @@ class Frozen(Collector):
         return self.families
 
 
-def best_of(runs: int, fn: Any) -> float:
-    best = float("inf")
-    for _ in range(runs):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def decode_only(spool: Path) -> int:
     """The floor: every frame of every segment framed, checked and decoded, nothing stored."""
     count = 0
@@ -200,7 +192,7 @@ def catch_up(
     assert committed == total, (committed, total)
     assert not list(spool.glob("*.kvs")), "segments left behind"
     if log:  # every incident in the log, once
-        incidents = daemon.journal.scalar("SELECT count(*) FROM incidents")
+        incidents = daemon.journal.finding_count()
         lines = sum(1 for path in rotated(log.path) for _ in path.open("rb"))
         assert lines == incidents, (lines, incidents)
     return wall, cpu, daemon, samples
@@ -215,8 +207,8 @@ def scrape(daemon: Daemon) -> None:
     plain = CollectorRegistry(auto_describe=False)
     plain.register(Frozen(list(KvwatchCollector(daemon.state, daemon.nvml).collect())))
     runs_ = 200
-    ours_s = best_of(runs_, lambda: generate_latest(ours))
-    plain_s = best_of(runs_, lambda: generate_latest(plain))
+    ours_s = best_seconds(lambda: generate_latest(ours), runs_)
+    plain_s = best_seconds(lambda: generate_latest(plain), runs_)
     print(
         f"scrape: {series} series, {len(text) / 1e3:.0f} kB: {ours_s * 1e3:.2f} ms"
         f" (best of {runs_}); prometheus_client rendering the same families by itself"

@@ -4,8 +4,9 @@
 wraps one of its hooks so that any ``Exception`` out of it is passed to ``report(hook, the hook
 function, its arguments, the error)`` (itself guarded: a report that fails is dropped) and the
 hook returns ``fallback()`` (:func:`none` unless said). The engine-agnostic hooks
-(:mod:`engine_hooks.watch`), the SGLang plugin, the vLLM connector and its block ledger each
-build one ``Guard`` and say what a failure counts and logs; the guarding is this class's alone.
+(:mod:`engine_hooks.watch`), the SGLang plugin, the vLLM adapter (its connector and the log
+handler of its lease watch) and its block ledger each build one ``Guard`` and say what a
+failure counts and logs; the guarding is this class's alone.
 A hook that must call the engine's own function between two guarded halves (an AROUND hook)
 guards each half, never the engine's call: the engine's exceptions are its own.
 """

@@ -2,7 +2,7 @@
 
 Each enum lists the values of one label of :mod:`kvspool.catalogue`; at import every member is
 checked against the catalogue (a misspelt one is a ``ValueError`` here, never a counter under
-``other``), and ``tests/engine_hooks/test_labels.py`` checks that each enum holds every value the
+``other``), and ``tests/engine_hooks/test_doors.py`` checks that each enum holds every value the
 catalogue has, so neither can drift from the other.
 """
 

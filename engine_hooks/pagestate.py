@@ -450,7 +450,7 @@ class HostPages:
         if not ids.size:
             return
         # Runs of consecutive ids (a free list hands out and takes back runs) as one memset
-        # each: ~3x the bandwidth of a gather-scatter over the same rows.
+        # each: more bandwidth than a gather-scatter over the same rows (docs/performance.md).
         breaks = np.flatnonzero(np.diff(ids) != 1) + 1
         if len(breaks) < ids.size // 4:
             starts = np.concatenate(([0], breaks)).tolist()

@@ -153,5 +153,5 @@ def instances_of(tickets: Sequence[Ticket]) -> tuple[str, ...]:
 def _int64(values: Ints, device: torch.device) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.to(device=device, dtype=torch.int64)
-    # Through numpy: torch.tensor(list) costs ~0.2 us per element, numpy a few ns.
+    # Through numpy: torch.tensor(list) is far slower per element (docs/performance.md).
     return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)

@@ -7,6 +7,9 @@ start (restart the daemon to apply a change; nothing is lost, the journal keeps 
 
 One daemon per journal and per spool: each is locked (``flock``) for the daemon's lifetime, since
 two daemons on one spool would record every incident twice.
+
+About 450 lines, in one module on purpose: it is the topology, and every edge from the sources
+through the store to the outputs shows here.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import re
 import signal
 import sqlite3
 import threading
@@ -28,7 +30,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from kvwatch import __version__
+from kvwatch import __version__, errors
 from kvwatch.alerting.evaluate import Evaluator
 from kvwatch.alerting.notify import Notifier
 from kvwatch.config import Config, ConfigError, parse_listen
@@ -50,19 +52,6 @@ MAX_BACKOFF: Final = 5.0
 
 class DaemonError(Exception):
     """The daemon cannot start; the message names the file or setting at fault."""
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    # An SSLError made from one message (prometheus_client re-raises the certificate's error
-    # so) prints as a tuple: "('Cannot load ...',)". The message, without OpenSSL's source line.
-    args = exc.args
-    text = args[0] if len(args) == 1 and isinstance(args[0], str) else str(exc)
-    return " ".join(_SSL_SOURCE.sub("", text).split())
-
-
-_SSL_SOURCE: Final = re.compile(r"\s*\(_ssl\.c:\d+\)")
 
 
 def _missing(path: Path) -> list[Path]:
@@ -94,7 +83,9 @@ def _make_folder(setting: str, path: str) -> None:
     except FileExistsError:
         raise DaemonError(f"{setting} {path}: {folder} exists and is not a folder") from None
     except OSError as exc:
-        raise DaemonError(f"{setting} {path}: cannot create {folder}: {_reason(exc)}") from None
+        raise DaemonError(
+            f"{setting} {path}: cannot create {folder}: {errors.reason(exc)}"
+        ) from None
 
 
 def lock_journal(path: str) -> int:
@@ -110,7 +101,7 @@ def lock_journal(path: str) -> int:
     try:
         fd = os.open(journal, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
     except OSError as exc:
-        raise DaemonError(f"cannot open the journal {path}: {_reason(exc)}") from None
+        raise DaemonError(f"cannot open the journal {path}: {errors.reason(exc)}") from None
     _flock(fd, "journal", path)
     return fd
 
@@ -126,7 +117,7 @@ def check_incidents_log(path: str) -> None:
     try:
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
     except OSError as exc:
-        raise DaemonError(f"cannot open the incidents log {path}: {_reason(exc)}") from None
+        raise DaemonError(f"cannot open the incidents log {path}: {errors.reason(exc)}") from None
     os.close(fd)
     if not existed:  # the log appears with its first incident
         with contextlib.suppress(OSError):
@@ -147,7 +138,7 @@ def lock_spool(path: str) -> int | None:
     except NotADirectoryError:
         raise DaemonError(f"spool_dir {path} is a file, not a folder") from None
     except OSError as exc:
-        raise DaemonError(f"cannot open the spool folder {path}: {_reason(exc)}") from None
+        raise DaemonError(f"cannot open the spool folder {path}: {errors.reason(exc)}") from None
     _flock(fd, "spool folder", path)
     return fd
 
@@ -172,7 +163,7 @@ class Daemon:
             except JournalError as exc:
                 raise DaemonError(str(exc)) from None  # it names the journal
             except (sqlite3.Error, OSError) as exc:
-                raise DaemonError(f"journal {config.journal}: {_reason(exc)}") from None
+                raise DaemonError(f"journal {config.journal}: {errors.reason(exc)}") from None
         except BaseException:
             self._unlock()
             self._remove_created()
@@ -199,7 +190,9 @@ class Daemon:
             try:
                 self.incidents_log.recover(self.journal)
             except (OSError, sqlite3.Error) as exc:
-                self.log.error("incidents_log.recover_failed", path=log_path, error=_reason(exc))
+                self.log.error(
+                    "incidents_log.recover_failed", path=log_path, error=errors.reason(exc)
+                )
         try:
             self._outputs(config)
         except ConfigError as exc:
@@ -262,7 +255,9 @@ class Daemon:
         try:
             host, port = self.serve()
         except OSError as exc:
-            self.log.error("daemon.listen_failed", listen=self.config.listen, error=_reason(exc))
+            self.log.error(
+                "daemon.listen_failed", listen=self.config.listen, error=errors.reason(exc)
+            )
             self.close()
             self._remove_created()
             return 1
@@ -416,7 +411,7 @@ class Daemon:
             ok = True
         except (OSError, sqlite3.Error) as exc:
             ok = False
-            reason, now = _reason(exc), time.monotonic()
+            reason, now = errors.reason(exc), time.monotonic()
             last = self._log_failure
             if last is None or last[0] != reason or now - last[1] >= WRITE_FAILED_EVERY:
                 self.log.error("incidents_log.write_failed", path=str(log.path), error=reason)

@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from engine_hooks.detectors import Mode
+from engine_hooks import Mode
 from engine_hooks.scrub import Scrub, parse_scrub
 from engine_hooks.spool import DEFAULT_SPOOL_DIR
 from engine_hooks.takers import DEFAULT_FREED_WATCH_S

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_hooks.detectors import Verdict
+from engine_hooks import Verdict
 from engine_hooks.takers import Takers
 from engine_hooks.tickets import Ticket
 from engine_hooks.watch import KVWatch

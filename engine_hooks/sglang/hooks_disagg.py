@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from engine_hooks.detectors import Mode, Verdict
+from engine_hooks import Mode, Verdict
 from engine_hooks.labels import Detector, Hook, Skip
 from engine_hooks.sglang.drain import DrainWatch
 from engine_hooks.sglang.guard import safe

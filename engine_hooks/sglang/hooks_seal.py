@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_hooks.detectors import Seal
+from engine_hooks import Seal
 from engine_hooks.labels import Hook
 from engine_hooks.sglang.guard import safe
 from engine_hooks.sglang.runtime import runtime

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from engine_hooks.detectors import Verdict
+from engine_hooks import Verdict
 
 logger = logging.getLogger("kvwatch.sglang")
 

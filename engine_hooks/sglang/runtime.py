@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine_hooks.detectors import Seal
+from engine_hooks import Seal
 from engine_hooks.labels import Skip
 from engine_hooks.pool import Layout, PagedKVPool
 from engine_hooks.sglang.config import Settings, from_env

@@ -17,9 +17,7 @@ nothing would return.
 
 from __future__ import annotations
 
-import logging
 import socket
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch, Scrub
-from engine_hooks.guard import Guard
 from engine_hooks.labels import Detector, Hook, Skip
 from engine_hooks.scrub import parse_scrub
 from engine_hooks.takers import DEFAULT_FREED_WATCH_S
+from engine_hooks.vllm.guard import logger, safe
 from engine_hooks.vllm.layout import kv_pool
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
@@ -45,15 +43,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = logging.getLogger("kvwatch.vllm")
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "unified"}
-
-
-def _failed(hook: Hook, method: Callable[..., Any], args: tuple[Any, ...], exc: Exception) -> None:
-    args[0].hook_failed(hook, method.__name__, exc)
-
-
-_guard = Guard(_failed)
 
 
 def _vllm_version() -> str:
@@ -115,7 +105,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
             scrub=self.scrub,
         )
 
-    @_guard(Hook.STARTUP)
+    @safe(Hook.STARTUP)
     def _start_scheduler(self, model_config: Any) -> None:
         self.watch = self._new_watch(None)
         parallel = getattr(self._vllm_config, "parallel_config", None)
@@ -130,16 +120,9 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
             pool_tokens = (self.num_blocks - 1) * self.block_size
             self.watch.report_pool(pool_tokens, int(max_len), self.block_size)
 
-    def hook_failed(self, hook: Hook, name: str, exc: BaseException | None = None) -> None:
-        # The exception's type only: its message could quote request contents.
-        kind = type(exc).__name__ if exc is not None else "error"
-        logger.warning("kvwatch: %s failed (%s); the engine goes on", name, kind)
-        if self.watch is not None:
-            self.watch.hook_failed(hook)
-
     # -- worker side ----------------------------------------------------------------------------
 
-    @_guard(Hook.STARTUP)
+    @safe(Hook.STARTUP)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pool = None
         if self.single_group and self.block_size:
@@ -153,7 +136,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         if self.engine_role != "decode":
             self.worker.watch_lease_expiry(self.freed_watch_s)
 
-    @_guard(Hook.VERIFY)
+    @safe(Hook.VERIFY)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The one worker hook that vLLM's model runners call before the forward in every step
         # (start_load_kv runs after it when no load is synchronous): see worker.py.
@@ -172,20 +155,20 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         return
 
-    @_guard(Hook.SEAL)
+    @safe(Hook.SEAL)
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.save()
 
-    @_guard(Hook.VERIFY, set)
+    @safe(Hook.VERIFY, set)
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
-    @_guard(Hook.SEAL)
+    @safe(Hook.SEAL)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.worker_meta() if self.worker is not None else None
 
-    @_guard(Hook.STARTUP)
+    @safe(Hook.STARTUP)
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
@@ -194,7 +177,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side -------------------------------------------------------------------------
 
-    @_guard(Hook.STARTUP)
+    @safe(Hook.STARTUP)
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         if self.scheduler is not None:
             self.scheduler.ledger.attach(gpu_block_pool)
@@ -207,22 +190,22 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         self._local_hit(request, num_computed_tokens)
         return 0, False
 
-    @_guard(Hook.RESERVE)
+    @safe(Hook.RESERVE)
     def _local_hit(self, request: Any, num_computed_tokens: int) -> None:
         if self.scheduler is not None:
             self.scheduler.local_hit(request, num_computed_tokens)
 
-    @_guard(Hook.RESERVE)
+    @safe(Hook.RESERVE)
     def on_new_request(self, request: Any) -> None:
         if self.scheduler is not None:
             self.scheduler.on_new_request(request)
 
-    @_guard(Hook.RESERVE)
+    @safe(Hook.RESERVE)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.scheduler is not None:
             self.scheduler.update_state_after_alloc(request, blocks)
 
-    @_guard(Hook.SEAL, KVWatchMetadata)
+    @safe(Hook.SEAL, KVWatchMetadata)
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self.scheduler is None:
             return KVWatchMetadata()
@@ -230,7 +213,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         self._count_skips()
         return meta
 
-    @_guard(Hook.SEAL)
+    @safe(Hook.SEAL)
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler is not None:
             self.scheduler.update_connector_output(connector_output)
@@ -245,7 +228,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return False, self._finished(request, block_ids)
 
-    @_guard(Hook.SEAL)
+    @safe(Hook.SEAL)
     def _finished(self, request: Any, block_ids: tuple[list[int], ...]) -> dict[str, Any] | None:
         if self.scheduler is None:
             return None

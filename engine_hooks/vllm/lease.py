@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from engine_hooks import KVWatch, Verdict
+from engine_hooks.labels import Hook
 from engine_hooks.takers import DEFAULT_FREED_WATCH_S, Takers
+from engine_hooks.vllm.guard import safe
 
 #: NIXL's expiry warning (``nixl/base_worker.py``), as its format string: the record's
 #: ``args`` are (request id, remote reads).
@@ -151,14 +153,15 @@ class _ExpiryHandler(logging.Handler):
     def __init__(self, lease: LeaseWatch) -> None:
         super().__init__(logging.WARNING)
         self.lease = lease
+        self.watch = lease.watch  # what counts a failure of emit (the guard's report)
 
+    # Never into vLLM's logging: a failure is a hook failure, counted under the expiry's hook
+    # (NIXL frees the request's blocks).
+    @safe(Hook.FREE)
     def emit(self, record: logging.LogRecord) -> None:
-        try:
-            if not (isinstance(record.msg, str) and record.msg.startswith(EXPIRY_MESSAGE)):
-                return
-            args = record.args if isinstance(record.args, tuple) else ()
-            if args:
-                reads = int(str(args[1])) if len(args) > 1 else 0
-                self.lease.expired(str(args[0]), reads, record.created)
-        except Exception:  # never into vLLM's logging
+        if not (isinstance(record.msg, str) and record.msg.startswith(EXPIRY_MESSAGE)):
             return
+        args = record.args if isinstance(record.args, tuple) else ()
+        if args:
+            reads = int(str(args[1])) if len(args) > 1 else 0
+            self.lease.expired(str(args[0]), reads, record.created)

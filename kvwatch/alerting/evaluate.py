@@ -53,7 +53,7 @@ from kvwatch.store.state import State
 #: How often the conditions are evaluated when no spool poll wakes the evaluation.
 TICK: Final = 1.0
 #: The least time between two evaluations (the spool poll may wake it many times a second;
-#: one evaluation renders the daemon's families, about 3 ms, unless no record arrived).
+#: one evaluation renders the daemon's families, unless no record arrived; docs/performance.md).
 MIN_SPACING: Final = 0.5
 #: How long a resolved alert is re-sent (Prometheus's resolvedRetention).
 RESOLVED_RETENTION: Final = 15 * 60.0
@@ -319,7 +319,7 @@ class Evaluator:
     def _evaluate(self, now: float) -> list[Posted]:
         changes = self._changes()
         if self._baseline is not None and not self.trackers and changes == self._seen:
-            return []  # nothing read, nothing firing: skip rendering the families (about 3 ms)
+            return []  # nothing read, nothing firing: skip rendering the families
         self._seen = changes
         totals, context_sums = self._sums(self._samples())
         self._note_contexts(now, context_sums)

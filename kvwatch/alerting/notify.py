@@ -105,7 +105,7 @@ class Notifier:
                 self.post(url, batch)
             except (OSError, ValueError) as exc:  # URLError and timeouts are OSErrors
                 self._count("failed")
-                self.log.warning("pager.post_failed", alertmanager=url, error=_reason(exc))
+                self.log.warning("pager.post_failed", alertmanager=url, error=_post_error(exc))
             else:
                 self._count("sent")
 
@@ -138,7 +138,8 @@ def _put_dropping_oldest(batches: queue.Queue[Any], item: Any) -> bool:
                 pass
 
 
-def _reason(exc: BaseException) -> str:
+def _post_error(exc: BaseException) -> str:
+    """Why a post to Alertmanager failed: its HTTP status, the URL's error, else the text."""
     if isinstance(exc, urllib.error.HTTPError):
         return f"HTTP {exc.code} {exc.reason}"
     if isinstance(exc, urllib.error.URLError):

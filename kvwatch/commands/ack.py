@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{path}: journal schema {reader.schema}; start the daemon once to migrate it",
             )
         grouped = incidents.group(reader.incidents())
-        upto = int(reader.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
+        upto = reader.newest_finding_id()
     except sqlite3.Error as exc:
         return fail("ack", f"cannot read the journal {path}: {exc}")
     finally:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvwatch import assets
+from kvwatch import assets, errors
 
 DEFAULT_FOLDER = "kvwatch"
 DEFAULT_DATASOURCE_UID = "prometheus"
@@ -143,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             token = args.token_file.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise PushError(f"cannot read the token file {args.token_file}: {_reason(e)}") from e
+            raise PushError(
+                f"cannot read the token file {args.token_file}: {errors.reason(e)}"
+            ) from e
         if not token:
             raise PushError(f"{args.token_file} is empty")
         boards = load_dashboards(args.dashboards_dir or assets.directory("dashboards"))
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 provisioning = json.loads(rules.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
-                raise PushError(f"{rules}: {_reason(e)} (pass --alert-rules)") from e
+                raise PushError(f"{rules}: {errors.reason(e)} (pass --alert-rules)") from e
             groups = rule_groups(provisioning, args.folder, args.datasource_uid)
         api: Any = GrafanaApi.from_url(args.url, credential=token, timeout=args.timeout)
         for line in push(api, boards, groups, args.folder, args.folder_title):
@@ -175,10 +177,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwatch dashboards push: {_one_line(e)}", file=sys.stderr)
         return 1
     return 0
-
-
-def _reason(e: BaseException) -> str:
-    return e.strerror if isinstance(e, OSError) and e.strerror else _one_line(e)
 
 
 def _one_line(e: BaseException) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvspool.catalogue import DaemonCounter
+from kvspool.catalogue import COUNTER_BY_NAME, SKIP_REASON, DaemonCounter
 from kvwatch.expose.metrics import engine_views
 from kvwatch.store import incident as incident_model
 from kvwatch.store.incident import Incident
@@ -31,6 +31,11 @@ REFRESH_SECONDS = 5
 STALE_SECONDS = 120.0
 #: Check levels, best to worst; the headline takes the worst.
 LEVELS = ("ok", "warning", "alarm")
+#: What coverage reads of the hooks' counters; a detector that is off is no coverage gap.
+_VERIFIED = COUNTER_BY_NAME["verifications"]
+_SKIPPED = COUNTER_BY_NAME["verifications_skipped"]
+_SKIP_REASON_AT = _SKIPPED.labels.index(SKIP_REASON)
+_MODE_OFF = SKIP_REASON.check("mode_off")
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -371,10 +376,10 @@ def _coverage(state: State, h: Health) -> Check:
     verified: dict[str, float] = {}
     skipped: dict[str, float] = {}
     for (family, labels), value in totals.items():
-        if family == "kvwatch_verifications":
+        # Both series' labels start with the detector (the catalogue's COUNTER_SERIES).
+        if family == _VERIFIED.family:
             verified[labels[0]] = verified.get(labels[0], 0.0) + value
-        elif family == "kvwatch_verifications_skipped" and labels[-1] != "mode_off":
-            # labels: (detector, role, reason), as state.HOOK_COUNTERS names them
+        elif family == _SKIPPED.family and labels[_SKIP_REASON_AT] != _MODE_OFF:
             skipped[labels[0]] = skipped.get(labels[0], 0.0) + value
     idle = sorted(d for d, n in skipped.items() if n and not verified.get(d))
     if idle:

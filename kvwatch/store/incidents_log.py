@@ -17,6 +17,9 @@ last line is cut off (its incident is written again, whole).
 
 Rotation by size, as ``logrotate`` and Python's ``RotatingFileHandler`` name files: ``PATH`` is
 written, ``PATH.1`` is the newest rotated file, ``PATH.<keep>`` the oldest kept.
+
+Longer than 450 lines: the writer and the reader of one public format, kept side by side so that
+they change together.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 An AST walk over the adapters (the SGLang plugin, the vLLM connector, minipd): none reads or
 writes an underscore attribute of a watch, nor a watch's detectors, page state or counters, nor
-writes page tags itself (tag writes live in :mod:`engine_hooks.pagestate`); no hook, skip or
+writes page tags itself (tag writes live in :mod:`engine_hooks.pagestate`), nor imports the
+detectors or the page state (their types come from :mod:`engine_hooks`); no hook, skip or
 counter door is called with a bare string.
 """
 
@@ -33,6 +34,15 @@ _WATCH = re.compile(r"(?:^|\.)(?:watch|coverage)$|watch\(\)$|watch_for\(.*\)$|al
 _INSIDES = {"state", "tags", "canary", "checksum", "admission", "stats", "requests", "spool"}
 #: The doors and guards whose label arguments must come from :mod:`engine_hooks.labels`.
 _LABELLED = {"skip", "verified", "hook_failed", "engine_finding", "safe", "_guard", "Guard"}
+#: The core's private modules: what the adapters need of them, ``engine_hooks`` re-exports.
+_PRIVATE_MODULES = {"engine_hooks.detectors", "engine_hooks.pagestate"}
+
+
+def imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules an import names (``from a import b`` names ``a`` and, if a module, ``a.b``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    return [node.module or "", *(f"{node.module}.{alias.name}" for alias in node.names)]
 
 
 def violations(source: str) -> list[str]:
@@ -45,6 +55,9 @@ def violations(source: str) -> list[str]:
                 found.append(f"{node.lineno}: {receiver}.{name}")
             elif name == "tag_store":
                 found.append(f"{node.lineno}: {receiver}.tag_store (tags are pagestate's)")
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for module in _PRIVATE_MODULES.intersection(imported(node)):
+                found.append(f"{node.lineno}: imports {module} (import from engine_hooks)")
         elif isinstance(node, ast.Call):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
@@ -73,8 +86,10 @@ rt.all_watches[0].stats.add("hook_errors", (hook,))
 watch.skip("canary", "no_pool")
 @safe("verify")
 def f(): ...
+from engine_hooks.detectors import Seal
+from engine_hooks import pagestate
 """
-    assert len(violations(old)) == 10
+    assert len(violations(old)) == 12
     assert violations("ticket.tags; watch.pool.page_size; self._vllm_config") == []
 
 

@@ -87,6 +87,10 @@ class JournalQueries:
         """The id of the newest finding stored (0: none)."""
         return int(self.scalar("SELECT coalesce(max(id), 0) FROM incidents"))
 
+    def finding_count(self) -> int:
+        """How many findings are stored."""
+        return int(self.scalar("SELECT count(*) FROM incidents"))
+
     def holds(self, finding_id: int, producer: str, seq: int) -> bool:
         """Whether the finding ``finding_id`` here is the record (``producer``, ``seq``)."""
         return bool(
