@@ -95,6 +95,12 @@ def _failures(report: Path) -> tuple[int, str]:
     return len(failed), (failed[0] if failed else "")
 
 
+def outcome(result: Result) -> str:
+    """The run's word on the progress line: a run stopped from outside (a signal) or crashed
+    neither passed nor failed a test, and says so."""
+    return "broken" if result.broken else "killed" if result.killed else "passed"
+
+
 def table(results: list[Result]) -> str:
     rows = [("mutant", "tests failed", "first failing test", "seconds", "killed")]
     for r in results:
@@ -128,7 +134,7 @@ def main(argv: list[str]) -> int:
     # the baseline runs so too, so that it passes in the mutants' environment.
     env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None
     baseline = run(mutants[0], timeout=900, env=env)
-    print(f"mutation: {baseline.name}: {'killed' if baseline.killed else 'passed'}", flush=True)
+    print(f"mutation: {baseline.name}: {outcome(baseline)}", flush=True)
     if baseline.killed or baseline.broken:
         print(table([baseline]))
         print("mutation: the tests fail with nothing removed", file=sys.stderr)
@@ -136,7 +142,7 @@ def main(argv: list[str]) -> int:
 
     def one(mutant: Mutant) -> Result:
         result = run(mutant, timeout=900, env=env)
-        print(f"mutation: {result.name}: {'killed' if result.killed else 'passed'}", flush=True)
+        print(f"mutation: {result.name}: {outcome(result)}", flush=True)
         return result
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:

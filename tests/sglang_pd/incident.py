@@ -12,32 +12,21 @@ ground truth that kvwatch's findings are checked against.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import requests
 
 from tests.sglang_pd.bed import (
     ROOT,
     START_TIMEOUT_S,
     Process,
-    Reply,
-    generate_body,
     only_loopback,
-    post,
     router,
     serving,
     sglang_server,
     stop_all,
-    with_room,
 )
 
 #: The incident's shape at half the sizes first used (4,096 / 8,192 / 16,384): the same bands
@@ -64,50 +53,15 @@ class Deployment:
     workdir: Path
     prefills: dict[str, Prefill]  # by release: "0.5.19" (the overlay), "0.5.23"
     decodes: dict[str, Process]  # by name
-    routers: dict[str, Process]  # by release
-    fronts: list[ThreadingHTTPServer] = field(default_factory=list)
+    #: Without kvwatch, by release (each in front of that release's prefill and the decode);
+    #: with kvwatch, by decode (each in front of the 0.5.19 prefill and that decode).
+    routers: dict[str, Process]
 
     def owners_file(self, decode: str) -> Path:
         return self.workdir / f"owners-{decode}.jsonl"
 
     def spool(self, name: str) -> Path:
         return self.workdir / f"spool-{name}"
-
-    def direct(self, release: str, decode: str, text: str, max_tokens: int, rid: str) -> Reply:
-        """One PD request the way the router sends it: the same body to prefill and decode."""
-        prefill = self.prefills[release]
-        body = with_room(generate_body(text, max_tokens, rid), prefill.bootstrap)
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(post, prefill.server.url, body)
-            served = pool.submit(post, self.decodes[decode].url, body)
-            first.result()
-            return served.result()
-
-    def fire_and_forget(self, release: str) -> str:
-        """A front that sends prefill its copy and answers with decode's reply alone, as
-        SGLang's earlier router (sgl-router) did for requests without logprobs (smg 1.13 waits
-        for prefill and answers with its status: see README.md). Returns its URL."""
-        prefill, decode = self.prefills[release], self.decodes["bare"]
-
-        class Front(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                body = with_room(json.loads(raw), prefill.bootstrap)
-                threading.Thread(target=post, args=(prefill.server.url, body), daemon=True).start()
-                served = requests.post(decode.url + self.path, json=body, timeout=600)
-                self.send_response(served.status_code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(served.content)))
-                self.end_headers()
-                self.wfile.write(served.content)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        front = ThreadingHTTPServer(("127.0.0.1", 0), Front)
-        threading.Thread(target=front.serve_forever, daemon=True).start()
-        self.fronts.append(front)
-        return f"http://127.0.0.1:{front.server_address[1]}"
 
     def processes(self) -> list[Process]:
         servers = [p.server for p in self.prefills.values()]
@@ -145,27 +99,27 @@ def _decode(workdir: Path, transport: str, name: str, mode: str | None) -> Proce
 
 @contextmanager
 def deployment(transport: str, workdir: Path, *, kvwatch: bool) -> Iterator[Deployment]:
-    """Without kvwatch: a 0.5.19 and a 0.5.23 prefill, one decode, a router for each release.
-    With kvwatch (log on prefill): the 0.5.19 prefill, a log and an enforce decode, no router."""
+    """Without kvwatch: a 0.5.19 and a 0.5.23 prefill, one decode, an smg router for each
+    release. With kvwatch (log on prefill): the 0.5.19 prefill, a log and an enforce decode, an
+    smg router for each decode."""
     assert only_loopback(), "run the bed inside a loopback-only netns (tests/sglang_pd/run.sh)"
     if kvwatch:
         prefills = {"0.5.19": _prefill(workdir, transport, "0.5.19", kvwatch=True)}
         decodes = {
             f"decode-{m}": _decode(workdir, transport, f"decode-{m}", m) for m in ("log", "enforce")
         }
+        fronted = {name: (prefills["0.5.19"], decode) for name, decode in decodes.items()}
     else:
         prefills = {r: _prefill(workdir, transport, r, kvwatch=False) for r in ("0.5.19", "0.5.23")}
         decodes = {"bare": _decode(workdir, transport, "decode-bare", None)}
+        fronted = {release: (prefill, decodes["bare"]) for release, prefill in prefills.items()}
     routers = {}
-    if not kvwatch:
-        for release, prefill in prefills.items():
-            front = router(workdir, prefill.server, prefill.bootstrap, decodes["bare"])
-            front.name = f"router-{release}"
-            routers[release] = front
+    for name, (prefill, decode) in fronted.items():
+        routers[name] = router(workdir, prefill.server, prefill.bootstrap, decode)
+        routers[name].name = f"router-{name}"
     bed = Deployment(transport, workdir, prefills, decodes, routers)
     with ExitStack() as stack:
         stack.callback(stop_all, bed.processes())
-        stack.callback(lambda: [front.shutdown() for front in bed.fronts])
         servers = [*[p.server for p in prefills.values()], *decodes.values()]
         for server in servers:
             server.start()

@@ -1,16 +1,16 @@
 """The incident in real SGLang servers: a prompt longer than prefill's pool, shorter than the
 context, through the 0.5.19 admission doors (``release_0_5_19``) and the smg router.
 
-Without kvwatch, ``kvwatch probe`` through the router gets HTTP 200 for it: decode served a
-request whose pages, but the one the stub's transfer wrote, hold what other requests left there
-(``page_owners`` says whose). With 0.5.23's own doors the prompt is refused with 400. With
-kvwatch, its reserve canary names the unwritten pages at decode's admission and whose KV they
-held (checked against ``page_owners``), serving it in ``log`` and failing it in ``enforce``.
+Without kvwatch, ``kvwatch probe`` through the router gets HTTP 200 for it and another
+request's marker back: decode served a request whose pages, but the one the stub's transfer
+wrote, hold what other requests left there (``page_owners`` says whose). With 0.5.23's own doors
+the prompt is refused with 400. With kvwatch, the same probe through the router: its reserve
+canary names the unwritten pages at decode's admission and whose KV they held (checked against
+``page_owners``), serving it in ``log`` and failing it in ``enforce``, where nothing leaks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -23,7 +23,7 @@ import pytest
 
 from engine_hooks.testing import read_spool
 from tests.sglang_pd import incident
-from tests.sglang_pd.bed import KVWATCH_ABORT, PAGE_SIZE, ROOT, generate_body, post, stop_all
+from tests.sglang_pd.bed import ROOT, generate_body, post, stop_all
 from tests.sglang_pd.page_owners import first_row, last_owners
 
 KVWATCH = ROOT / ".venv" / "bin" / "python"  # kvwatch as users install it, apart from SGLang
@@ -34,11 +34,7 @@ MARKERS = 3
 MARKER_REPEATS = 95
 LONG = "word " * 3000 + "Repeat any codes you saw."  # about 3,000 tokens: in (pool, context]
 SPOOL_WAIT_S = 15.0
-# Decode's pool (8,192 tokens) hands out never-used pages first and merges freed ones only when
-# those run out (SGLang's sorted free list): three markers and the long prompt fit in fresh
-# pages, so nothing foreign would be there to read. Six markers go round the pool once, and the
-# long prompt's row gets pages the markers held.
-WATCHED_MARKERS = 6
+DOOR = ("admission", "aborted_admitted")  # prefill's record of a request rejected at intake
 
 
 def probe(url: str) -> tuple[int, dict[str, Any]]:
@@ -76,8 +72,10 @@ def reader_of(owners: Path) -> str:
     return str(max(rows, key=lambda r: len(r["pages"]))["rid"])
 
 
-def test_without_kvwatch_the_0_5_19_doors_answer_the_long_prompt(bare: Any) -> None:
-    code, report = probe(bare.fire_and_forget("0.5.19"))
+def test_without_kvwatch_the_marker_test_leaks_through_the_router(bare: Any) -> None:
+    """smg 1.13 answers once prefill has: with 0.5.19's handling, prefill sends the stub on and
+    answers 200 for it, so the client gets decode's reply, served over pages it never got."""
+    code, report = probe(bare.routers["0.5.19"].url)
     assert report["status"] == 200, report
     assert incident.PREFILL_POOL < report["prompt_tokens"] <= incident.CONTEXT, report
     assert code == 3 and report["leaked_markers"], report  # another request's marker
@@ -86,22 +84,6 @@ def test_without_kvwatch_the_0_5_19_doors_answer_the_long_prompt(bare: Any) -> N
     reader = reader_of(owners)
     held = last_owners(owners, reader, first_row(owners, reader)[1:])
     assert sum(len(p) for p in held.values()) > 100, held
-
-
-def test_through_smg_the_0_5_19_long_prompt_is_answered_too(bare: Any) -> None:
-    """smg 1.13 answers once prefill has: with 0.5.19's handling, prefill sends the stub on and
-    answers 200 for it, so the client gets decode's reply, served over pages it never got."""
-    owners = bare.owners_file("decode-bare")
-    before = owners.read_text().count("\n")
-    served = post(bare.routers["0.5.19"].url, generate_body(LONG, 8))
-    assert served.status == 200, served
-    deadline = time.monotonic() + SPOOL_WAIT_S
-    while True:  # decode may run it after the router answered
-        rows = [json.loads(line) for line in owners.read_text().splitlines()[before:]]
-        if any(len(r["pages"]) * PAGE_SIZE > incident.PREFILL_POOL for r in rows):
-            break
-        assert time.monotonic() < deadline, rows
-        time.sleep(0.5)
 
 
 def test_with_0_5_23_s_own_code_the_long_prompt_is_refused_with_400(bare: Any) -> None:
@@ -121,26 +103,21 @@ def watched(transport: str, tmp_path_factory: pytest.TempPathFactory, bare: Any)
         yield running
 
 
-def code(i: int) -> str:
-    return "CANARY-" + hashlib.sha256(str(i).encode()).hexdigest()[:12]
-
-
-def marker(i: int) -> str:
-    return f"Remember the code {code(i)}. " * MARKER_REPEATS
-
-
-def long_prompt_after_markers(bed: Any, decode: str) -> tuple[Any, str, list[dict[str, Any]]]:
-    for i in range(WATCHED_MARKERS):
-        planted = bed.direct("0.5.19", decode, marker(i), 8, rid=f"marker-{decode}-{i}")
-        assert planted.status == 200, planted.body
-    rid = f"long-{decode}"
-    served = bed.direct("0.5.19", decode, LONG, 64, rid=rid)
+def findings(bed: Any, decode: str) -> list[dict[str, Any]]:
+    """The decode's findings, once there are any or the wait ends."""
     deadline = time.monotonic() + SPOOL_WAIT_S
     while True:
         found = read_spool(bed.spool(decode)).events()
         if found or time.monotonic() > deadline:
-            return served, rid, found
+            return found
         time.sleep(0.5)
+
+
+def rejected_at_prefill(bed: Any) -> int:
+    """How many requests prefill's door saw rejected at intake and admitted all the same (by
+    count: through smg each server names a request with its own id)."""
+    found = read_spool(bed.spool("prefill-0.5.19")).events()
+    return sum((e["detector"], e["kind"]) == DOOR for e in found)
 
 
 def check_against_ground_truth(bed: Any, decode: str, rid: str, event: dict[str, Any]) -> None:
@@ -160,24 +137,38 @@ def check_against_ground_truth(bed: Any, decode: str, rid: str, event: dict[str,
 
 
 def test_kvwatch_log_names_the_unwritten_pages_and_whose_kv_they_held(watched: Any) -> None:
-    served, rid, found = long_prompt_after_markers(watched, "decode-log")
-    assert served.status == 200, served.body  # log mode records and serves
-    kinds = [(e["detector"], e["kind"], e["action"], e["request_id"]) for e in found]
-    assert ("canary", "unwritten_page", "logged", rid) in kinds, found
+    code, report = probe(watched.routers["decode-log"].url)
+    # Log mode serves it (exit 3 or 1: the reserve canary's NaN stamps, left in the pages
+    # nobody wrote, may garble what the model recites of their KV).
+    assert report["status"] == 200 and code in (1, 3), report
+    rid = reader_of(watched.owners_file("decode-log"))  # ground truth: the longest row
+    found = findings(watched, "decode-log")
+    assert {e["request_id"] for e in found} == {rid}, found  # nothing on any other request
+    kinds = [(e["detector"], e["kind"], e["action"]) for e in found]
+    assert ("canary", "unwritten_page", "logged") in kinds, found
     event = next(e for e in found if e["kind"] == "unwritten_page")
     assert event["pages_total"] > 100, event
     check_against_ground_truth(watched, "decode-log", rid, event)
+    assert rejected_at_prefill(watched) == 1  # prefill's door recorded it too, and only it
 
 
-def test_kvwatch_enforce_fails_the_long_prompt(watched: Any) -> None:
-    served, rid, found = long_prompt_after_markers(watched, "decode-enforce")
-    assert served.status != 200 and KVWATCH_ABORT in served.body, served
-    kinds = [(e["detector"], e["kind"], e["action"], e["request_id"]) for e in found]
-    assert ("canary", "unwritten_page", "enforced", rid) in kinds, found
-
-
-def test_prefill_records_the_rejected_request_at_its_door(watched: Any) -> None:
-    found = read_spool(watched.spool("prefill-0.5.19")).events()
-    kinds = {(e["detector"], e["kind"], e["request_id"]) for e in found}
-    for decode in ("decode-log", "decode-enforce"):
-        assert ("admission", "aborted_admitted", f"long-{decode}") in kinds, found
+def test_kvwatch_enforce_fails_the_long_prompt_and_nothing_leaks(watched: Any) -> None:
+    code, report = probe(watched.routers["decode-enforce"].url)
+    # A server error (probe exit 1): the engine let the prompt through, but decode served
+    # nothing of what the pages held.
+    assert report["status"] >= 500 and code == 1 and not report["leaked_markers"], report
+    # smg retries a failed request (--retry-max-retries, 5 by default): each attempt is a new
+    # request, rejected at prefill's intake, reserved anew on decode and failed again. Every
+    # one of them, and nothing else, has the canary's finding.
+    deadline = time.monotonic() + SPOOL_WAIT_S
+    while True:  # the last attempt's records may trail the probe's answer
+        attempts = rejected_at_prefill(watched) - 1  # the log probe's long prompt was the first
+        found = findings(watched, "decode-enforce")
+        if len({e["request_id"] for e in found}) >= attempts or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert attempts >= 1 and {e["action"] for e in found} == {"enforced"}, found
+    canary = [e for e in found if (e["detector"], e["kind"]) == ("canary", "unwritten_page")]
+    assert len(canary) == attempts == len({e["request_id"] for e in found}), (attempts, found)
+    assert all(e["pages_total"] > 100 for e in canary), canary
+    print(f"\n{watched.transport}: the router tried the long prompt {attempts} times")

@@ -10,6 +10,7 @@ vLLM's own block tables gave the victim's blocks to (``KVCacheManager.get_block_
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -189,3 +190,20 @@ def test_nixl_still_logs_the_expiry_that_kvwatch_reads() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
     assert EXPIRY_MESSAGE in inspect.getsource(base_worker)
+
+
+def test_an_expiry_kvwatch_cannot_read_is_counted_never_raised(tmp_path: Path, model: str) -> None:
+    """NIXL's warning with a reads count kvwatch cannot read: vLLM's logging goes on, the
+    failure is a hook error (``hook_errors{hook="free"}``), and the next expiry is read."""
+    p = start(tmp_path, model, "log")
+    nixl = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.nixl")
+    before = p.prefill.stat("hook_errors", "free")
+    nixl.warning(EXPIRY_MESSAGE + " by %s decode workers", VICTIM, "several")  # no exception
+    assert p.prefill.stat("hook_errors", "free") == before + 1
+    params = prefill_only(p, VICTIM, VICTIM_PROMPT)
+    expire(p, VICTIM)
+    other_traffic(p, 4)
+    close_window(p)
+    decode_half(p, VICTIM, params)
+    (freed,) = events(tmp_path, "prefill")
+    assert (freed["kind"], freed["request_id"]) == ("freed_before_read", VICTIM), freed
