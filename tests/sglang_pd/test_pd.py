@@ -114,11 +114,18 @@ def test_clean_pd_requests_equal_one_server_with_zero_findings(
         # Every transfer decode served was verified against prefill's seal, no more, no fewer.
         assert settled(bed, server, bed.served[mode]) == bed.served[mode], server
         assert counter(bed, server, "verifications_skipped", reason="no_seal") == 0, server
-        # The page checks ran too, at page size 1 as at 16 (token slots checked in runs), and
-        # nothing was skipped for any reason (no_pool was page size 1's gap).
+        # kvwatch's own checks all ran, at page size 1 as at 16 (token slots checked in runs),
+        # and none was skipped for any reason (no_pool was page size 1's gap). SGLang's own
+        # checksum is off (CUDA-only): its one skip is mode_off.
         for detector in ("canary", "page_tag", "admission"):
             assert counter(bed, server, "verifications", detector=detector) > 0, (server, detector)
-        assert counter(bed, server, "verifications_skipped") == 0, server
+        for detector in ("canary", "checksum", "page_tag", "admission"):
+            skipped = counter(bed, server, "verifications_skipped", detector=detector)
+            assert skipped == 0, (server, detector)
+        engine = counter(bed, server, "verifications_skipped", detector="engine_checksum")
+        assert engine == counter(
+            bed, server, "verifications_skipped", detector="engine_checksum", reason="mode_off"
+        ), server
     for server in bed.spools:
         assert describe(events(bed, server)) == [], server
         assert counter(bed, server, "hook_errors") == 0, server
