@@ -11,9 +11,10 @@ $(STAMP): pyproject.toml setup.py engine_hooks/_pageloop.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: this takes the CPU build from the machine's disk; any looser
-	# requirement could pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[engine,dev,dashboards]'
+	# requirement could pull a multi-GB CUDA build. --no-compile: Python compiles what the tests
+	# import on first use, not all of torch and triton up front (a minute of CPU on 2 cores).
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[engine,dev,dashboards]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -66,8 +67,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Two workers (2 cores; most tests wait on one process at a time), then the beds that wait on
+# real Prometheus and Alertmanager timings alone (tests/conftest.py: serial).
+UNIT := --ignore=tests/vllm --ignore=tests/vllm_pd --ignore=tests/sglang_pd
 unit: $(STAMP) tools
-	$(PY) -m pytest --ignore=tests/vllm --ignore=tests/vllm_pd --ignore=tests/sglang_pd
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not serial" $(UNIT)
+	$(PY) -m pytest -m serial $(UNIT)
 
 # SGLang 0.5.23 from PyPI (and 0.5.22, 0.5.19 overlays) in its own venv under build/, cached.
 sglang-test: $(STAMP)

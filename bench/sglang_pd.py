@@ -2,7 +2,7 @@
 with and without kvwatch, as a ratio (issue 24).
 
 Run (root, after ``bash tests/sglang_pd/setup_env.sh``):
-``build/sglang-pd-venv/bin/python bench/sglang_pd.py [--rounds R] [--tokens N]
+``build/sglang-venv/bin/python bench/sglang_pd.py [--rounds R] [--tokens N]
 [--transport mooncake_tcp|nixl] [--page-size P]``. Re-runs itself inside a fresh loopback-only
 network namespace, as the bed does (tests/sglang_pd/README.md).
 

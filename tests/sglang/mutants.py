@@ -224,8 +224,8 @@ MUTANTS = _mutants()
 
 
 def prepare() -> None:
-    """Import what every mutant's tests import (SGLang, torch, pytest's plugins) once, in the
-    parent, so each forked child starts warm. No hook is registered here."""
+    """Import what every mutant's tests import (SGLang, torch) once, in tests/mutation.py's
+    process, so each forked run starts warm. No hook is registered here."""
     import importlib
     import warnings
 
@@ -266,7 +266,7 @@ def mutants() -> list[tuple[str, list[str]]]:
     return pairs
 
 
-def _main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     import os
 
     import pytest
@@ -279,4 +279,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

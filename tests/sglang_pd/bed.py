@@ -34,6 +34,9 @@ from engine_hooks.testing import SpoolContents, read_spool
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "build" / "sglang-pd-model"
+#: The servers' PYTHONPATH beyond the checkout: the sgl_kernel stand-in and the entry points of
+#: the bed's plugins (setup_env.sh), kept out of the venv the class bed shares.
+SHIMS = [ROOT / "tests" / "sglang_pd" / "stubs", ROOT / "build" / "sglang-pd-site"]
 START_TIMEOUT_S = 300.0  # three servers starting together on a busy 2-core machine
 ROUTER_TIMEOUT_S = 150.0  # a busy machine: the router's first checks may time out
 REQUEST_TIMEOUT_S = 120.0
@@ -85,7 +88,7 @@ def only_loopback() -> bool:
 def base_env(spool: Path | None, mode: str, plugins: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=os.pathsep.join(map(str, [ROOT, *SHIMS])),
         HF_HUB_OFFLINE="1",
         OMP_NUM_THREADS="1",
         SGLANG_HOST_IP="127.0.0.1",  # no interface but loopback: SGLang's own guess fails

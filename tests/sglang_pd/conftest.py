@@ -1,4 +1,4 @@
-"""The PD bed runs in build/sglang-pd-venv inside a loopback-only netns (run.sh), never in .venv.
+"""The PD bed runs in build/sglang-venv inside a loopback-only netns (run.sh), never in .venv.
 
 The main test run (``.venv``, no SGLang) does not collect these tests; inside the stage
 (``KVWATCH_SGLANG_PD_STAGE=1``, set by run.sh) a missing SGLang is an error, never a skip.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SGLang PD stage (`make sglang-pd-test`): build (or reuse) build/sglang-pd-venv, then run
+# The SGLang PD stage (`make sglang-pd-test`): build (or reuse) its environment (setup_env.sh), then run
 # tests/sglang_pd inside a fresh network namespace with only loopback, so that nothing the
 # servers open (Mooncake's schedulers listen on every interface) is reachable from outside.
 # Needs root (ip netns). Fails loudly; the namespace is removed on every exit.
@@ -21,7 +21,7 @@ ip netns exec "$NS" sysctl -qw net.ipv4.ip_local_port_range="32768 60999"
 # is 12 minutes on 2 cores with the venv cached (README.md here has the last measured run).
 began=$SECONDS
 status=0
-KVWATCH_SGLANG_PD_STAGE=1 ip netns exec "$NS" timeout -k 30 1800 build/sglang-pd-venv/bin/python -m pytest \
+KVWATCH_SGLANG_PD_STAGE=1 ip netns exec "$NS" timeout -k 30 1800 build/sglang-venv/bin/python -m pytest \
     -p no:cacheprovider --basetemp=build/sglang-pd-tmp --durations=12 tests/sglang_pd "$@" || status=$?
 took=$((SECONDS - began))
 echo "sglang-pd-test: the stage took ${took} s of its 720 s budget (load $(cut -d' ' -f1-3 /proc/loadavg))"

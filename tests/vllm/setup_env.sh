@@ -42,12 +42,14 @@ rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 # torch first and pinned: the CPU build from this machine's wheels. vLLM and everything after it
 # go in with --no-deps, so pip never resolves another torch (a multi-GB CUDA build).
-"$VENV/bin/pip" install -q torch==2.13.0
+# --no-compile: the tests' first imports compile what they use (one pytest process at first),
+# not every module of torch and vLLM up front.
+"$VENV/bin/pip" install -q --no-compile torch==2.13.0
 # Fetch once into build/vllm-wheels (pip skips files already there), then install offline.
 "$VENV/bin/pip" download -q --no-deps -d "$WHEELS" vllm==0.33.0 -r "$REQ"
-VLLM_TARGET_DEVICE=cpu "$VENV/bin/pip" install -q --no-deps --no-index --find-links "$WHEELS" \
-    vllm==0.33.0
-"$VENV/bin/pip" install -q --no-deps --no-index --find-links "$WHEELS" -r "$REQ"
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/pip" install -q --no-compile --no-deps --no-index \
+    --find-links "$WHEELS" vllm==0.33.0
+"$VENV/bin/pip" install -q --no-compile --no-deps --no-index --find-links "$WHEELS" -r "$REQ"
 link_repo
 check
 echo "$want" > "$STAMP"
