@@ -10,17 +10,18 @@ with it removed; the first pair is the baseline (nothing removed), which must pa
 Prints the table (mutant, tests failed, first failing test, killed) and exits non-zero when the
 baseline fails or any mutant survives. The baseline runs first and alone; the mutants then run
 ``KVWATCH_MUTATION_JOBS`` at a time (default: one per CPU this process may use), with one torch
-thread each. The module's ``prepare()`` imports the engine once, here; each run is then a forked
-child of this interpreter that removes its hook and calls the module's ``main`` (pytest), so no
-run pays for importing the engine again (half of a run's time when each had its own
-interpreter). Should that import leave a thread behind, forking is unsafe and each run gets a
-fresh interpreter instead (the command ``mutants()`` gives). A mutant is killed when pytest
-fails a test or hangs; a run that does neither (a crash, a usage error, nothing collected) fails
-the check.
+thread each. The engine modules the mutants module names (``WARM``) are imported once, here;
+each run is then a forked child of this interpreter that removes its hook and calls the module's
+``main`` (pytest), so no run pays for importing the engine again (half of a run's time when each
+had its own interpreter). Should that import leave a thread behind, forking is unsafe and each
+run gets a fresh interpreter instead (the command ``mutants()`` gives). A mutant is killed when
+pytest fails a test or hangs; a run that does neither (a crash, a usage error, nothing collected)
+fails the check.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import signal
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,8 +176,8 @@ def table(results: list[Result]) -> str:
 
 
 def load(engine: str) -> tuple[list[Mutant], Entry | None]:
-    """The engine's mutants, and its in-process entry (``main``) once its ``prepare()`` has
-    imported the engine here, if that left this process forkable (one thread)."""
+    """The engine's mutants, and its in-process entry (``main``) once the modules it names
+    (``WARM``) are imported here, if that left this process forkable (one thread)."""
     path = ROOT / "tests" / engine / "mutants.py"
     spec = importlib.util.spec_from_file_location(f"{engine}_mutants", path)
     if spec is None or spec.loader is None:
@@ -184,7 +186,10 @@ def load(engine: str) -> tuple[list[Mutant], Entry | None]:
     spec.loader.exec_module(module)
     pairs: list[tuple[str, list[str]]] = module.mutants()
     mutants = [Mutant(name, argv) for name, argv in pairs]
-    module.prepare()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in module.WARM:
+            importlib.import_module(name)
     if threading.active_count() > 1:
         print("mutation: the engine's import started threads: one interpreter per mutant")
         return mutants, None

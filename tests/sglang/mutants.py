@@ -223,28 +223,22 @@ def _mutants() -> list[Mutant]:
 MUTANTS = _mutants()
 
 
-def prepare() -> None:
-    """Import what every mutant's tests import (SGLang, torch) once, in tests/mutation.py's
-    process, so each forked run starts warm. No hook is registered here."""
-    import importlib
-    import warnings
-
-    warnings.simplefilter("ignore")
-    for name in (
-        "torch",
-        "sglang.srt.plugins",
-        "sglang.srt.plugins.hook_registry",
-        "sglang.srt.managers.scheduler",
-        "sglang.srt.disaggregation.decode",
-        "sglang.srt.disaggregation.prefill",
-        "sglang.srt.mem_cache.allocator.paged",
-        "sglang.srt.mem_cache.allocator.token",
-        "sglang.srt.mem_cache.registry",
-    ):
-        importlib.import_module(name)
+#: What every mutant's tests import (SGLang, torch): tests/mutation.py imports it once, so each
+#: forked run starts warm. No hook is registered by importing these.
+WARM = (
+    "torch",
+    "sglang.srt.plugins",
+    "sglang.srt.plugins.hook_registry",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.disaggregation.decode",
+    "sglang.srt.disaggregation.prefill",
+    "sglang.srt.mem_cache.allocator.paged",
+    "sglang.srt.mem_cache.allocator.token",
+    "sglang.srt.mem_cache.registry",
+)
 
 
-__all__ = ["BASELINE", "MUTANTS", "prepare"]
+__all__ = ["BASELINE", "MUTANTS", "WARM"]
 
 
 # -- the (name, command) interface -------------------------------------------------------------

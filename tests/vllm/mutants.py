@@ -112,26 +112,20 @@ def mutants() -> list[tuple[str, list[str]]]:
     return [(name, [*script, name, "--", *TESTS]) for name in every]
 
 
-def prepare() -> None:
-    """Import what every mutant's tests import (vLLM, torch) once, in tests/mutation.py's
-    process, so each forked run starts warm. No hook is removed here."""
-    import importlib
-    import warnings
-
-    warnings.simplefilter("ignore")
-    for name in (
-        "torch",
-        "vllm",
-        "vllm.config",
-        "vllm.v1.core.sched.scheduler",
-        "vllm.v1.core.kv_cache_utils",
-        "vllm.v1.worker.utils",
-        "vllm.v1.worker.kv_connector_model_runner_mixin",
-        "vllm.v1.structured_output",
-        "vllm.distributed.kv_transfer.kv_connector.factory",
-        "engine_hooks.vllm",
-    ):
-        importlib.import_module(name)
+#: What every mutant's tests import (vLLM, torch): tests/mutation.py imports it once, so each
+#: forked run starts warm. No hook is removed by importing these.
+WARM = (
+    "torch",
+    "vllm",
+    "vllm.config",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.worker.utils",
+    "vllm.v1.worker.kv_connector_model_runner_mixin",
+    "vllm.v1.structured_output",
+    "vllm.distributed.kv_transfer.kv_connector.factory",
+    "engine_hooks.vllm",
+)
 
 
 def apply(name: str) -> None:
