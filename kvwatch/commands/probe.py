@@ -217,10 +217,23 @@ class Progress:
             sys.stderr.flush()
 
 
-def calibrate(api: Api, progress: Callable[[str], None]) -> Sizing:
-    """Fit tokens per filler word from short prompts (the probe has no tokenizer)."""
+#: The share of a known pool that the probe's own sizing prompts stay under: a prompt in the
+#: band (over the pool) would itself be rejected at intake, and leak on a vulnerable release.
+IN_POOL = 0.9
+
+
+def calibrate(api: Api, progress: Callable[[str], None], pool_tokens: int | None = None) -> Sizing:
+    """Fit tokens per filler word from short prompts (the probe has no tokenizer). With the
+    pool's size known, a longer prompt goes only where the fit so far puts it inside the pool
+    (a 1,024-word prompt is past a pool of 1,024 tokens)."""
     points: list[tuple[int, int]] = []
     for words in (16, 64, 256, 1024):
+        if (
+            pool_tokens
+            and len(points) >= 2
+            and fit(points).tokens_for(words) > pool_tokens * IN_POOL
+        ):
+            break
         progress(f"calibrating the size: {words} words")
         reply = api.send(FILLER_WORD * words + TAIL, 1)
         if reply.status >= 400 or reply.prompt_tokens is None:
@@ -242,7 +255,7 @@ def expected_seconds(
     quarter of the target at most. Real prefill grows faster than linearly with length, so the
     line underestimates: a reply faster than half of it did not read its prompt."""
     shares = (8, 4, 2) if pool_tokens else (16, 8, 4)
-    limit = int(pool_tokens * 0.9) if pool_tokens else target_tokens
+    limit = int(pool_tokens * IN_POOL) if pool_tokens else target_tokens
     timings: list[tuple[int, int]] = []
     for share in shares:
         words = sizing.words_for(max(16, min(limit, target_tokens // share)))
@@ -276,7 +289,7 @@ def probe(
 ) -> Report:
     """The probe itself: calibrate, plant markers, send the long prompt, read the reply."""
     report = Report(url=url, target_tokens=target_tokens)
-    sizing = calibrate(api, progress)
+    sizing = calibrate(api, progress, pool_tokens)
     if count_tokens is not None:  # a local tokenizer: size exactly instead of by the fit
         words = sizing.words_for(target_tokens)
         while count_tokens(FILLER_WORD * words + TAIL) < target_tokens:

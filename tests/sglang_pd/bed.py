@@ -14,6 +14,7 @@ group is killed on exit, failure included.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import signal
@@ -42,9 +43,23 @@ ROUTER_TIMEOUT_S = 150.0  # a busy machine: the router's first checks may time o
 REQUEST_TIMEOUT_S = 120.0
 KVWATCH_ABORT = "kvwatch: KV cache integrity check failed"
 PAGE_SIZE = 16
+#: Each decode's page size in the bed (and its own prefill's: a transfer moves whole pages),
+#: kvwatch's modes crossed with SGLang's default page size (1: a page is one token slot) and
+#: 16, one deployment per transport: the log decode (decode radix cache off, behind the
+#: router) at 1, the enforce decode (radix cache on, whose dedup once gave a false page) at 16.
+PAGE_SIZES = {"log": 1, "enforce": PAGE_SIZE}
 CONTEXT = 1024
 POOL_TOKENS = 8192
 RADIX_POOL_TOKENS = 1536  # the enforce decode's (radix cache on): 96 pages of 16
+#: The deferred-release case's decode (test_pd_drain.py), beside the Mooncake bed's own and
+#: reading from its prefill at page size 16: a pool of 64 pages, so that freed pages are reused
+#: at once; SGLang's deferred-release timeout (30 s by default) long enough for the drained
+#: control's ACK on a slow machine; kvwatch's window (10 s by default), in which three PD
+#: requests must be done.
+DRAIN_TRANSPORT = "mooncake_tcp"
+DRAIN_POOL_TOKENS = 1024
+DRAIN_RELEASE_TIMEOUT_S = 8.0
+DRAIN_WINDOW_S = 10.0
 
 #: SGLang's flags for a CPU-only machine (README.md: what each one replaces).
 CPU_FLAGS = [
@@ -85,10 +100,24 @@ def only_loopback() -> bool:
     return sorted(os.listdir("/sys/class/net")) == ["lo"]
 
 
+def other_model_archs() -> str:
+    """Every model module of SGLang's but Llama's (both of the bed's models are
+    ``LlamaForCausalLM``), for ``SGLANG_DISABLED_MODEL_ARCHS``: SGLang's model registry
+    otherwise imports all 255 of them in each scheduler at start-up (1.8 CPU-seconds of the
+    48 a server takes here), as a deployment serving one model does not need to."""
+    spec = importlib.util.find_spec("sglang")  # its location only: importing it takes seconds
+    assert spec is not None and spec.submodule_search_locations, "sglang is not installed"
+    models = Path(spec.submodule_search_locations[0]) / "srt" / "models"
+    names = sorted(p.stem for p in models.glob("*.py") if p.stem not in {"__init__", "llama"})
+    assert names, f"no SGLang models under {models}"
+    return ",".join(names)
+
+
 def base_env(spool: Path | None, mode: str, plugins: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         PYTHONPATH=os.pathsep.join(map(str, [ROOT, *SHIMS])),
+        SGLANG_DISABLED_MODEL_ARCHS=other_model_archs(),
         HF_HUB_OFFLINE="1",
         OMP_NUM_THREADS="1",
         SGLANG_HOST_IP="127.0.0.1",  # no interface but loopback: SGLang's own guess fails
@@ -122,6 +151,11 @@ class Process:
     @property
     def log(self) -> Path:
         return self.workdir / f"{self.name}.log"
+
+    @property
+    def spool(self) -> Path:
+        """Its kvwatch spool (a server's; ``sglang_server``)."""
+        return self.workdir / f"spool-{self.name}"
 
     def start(self) -> None:
         # A test process killed outright (no teardown) takes the server with it.
@@ -184,8 +218,6 @@ def sglang_server(
 ) -> tuple[Process, Path | None, int]:
     """A server process (not started), its kvwatch spool and its bootstrap port (prefill)."""
     port, bootstrap = free_port(), free_port()
-    spool = workdir / f"spool-{name}"
-    spool.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(MODEL),
@@ -195,6 +227,9 @@ def sglang_server(
         "--context-length", str(CONTEXT),
         "--max-total-tokens", str(POOL_TOKENS),
         "--random-seed", "0",
+        # SGLang draws one at random (22,000-29,999) that its scheduler binds only later: with
+        # four servers starting at once, one scheduler found its draw taken (EADDRINUSE).
+        "--nccl-port", str(free_port()),
         *CPU_FLAGS,
     ]  # fmt: skip
     if role is not None:
@@ -205,8 +240,10 @@ def sglang_server(
         # The default host backup pool sizes itself from the cgroup and registers it with CUDA.
         cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
     cmd += extra or []
-    env = base_env(spool, mode, plugins)
-    return Process(name, cmd, env, workdir, port), spool, bootstrap
+    server = Process(name, cmd, {}, workdir, port)
+    server.spool.mkdir(parents=True, exist_ok=True)
+    server.env = base_env(server.spool, mode, plugins)
+    return server, server.spool, bootstrap
 
 
 def small_pool(tokens: int) -> list[str]:
@@ -308,17 +345,32 @@ def transport_failure(reply: Reply) -> str | None:
 
 
 @dataclass
+class Prefill:
+    server: Process
+    bootstrap: int
+
+
+@dataclass
 class Bed:
     transport: str
-    prefill: Process
-    bootstrap: int
+    prefills: dict[int, Prefill]  # by page size
     decode: dict[str, Process]  # by kvwatch mode
-    router: Process
+    router: Process  # in front of the log decode and its prefill
     spools: dict[str, Path]
     retried: list[str] = field(default_factory=list)
     #: PD requests each decode server served (HTTP 200): one transfer each.
     served: dict[str, int] = field(default_factory=lambda: {"log": 0, "enforce": 0})
-    page_size: int = PAGE_SIZE  # every server's --page-size
+    #: The deferred-release case's decode (Mooncake only), apart from ``decode`` and
+    #: ``spools``: its findings are that test's, not the bed's.
+    drain: Process | None = None
+
+    @staticmethod
+    def page_size(mode: str) -> int:
+        return PAGE_SIZES[mode]
+
+    def prefill(self, mode: str) -> Prefill:
+        """The prefill that decode ``mode`` reads from (its own page size)."""
+        return self.prefills[self.page_size(mode)]
 
     def via_router(self, text: str, max_tokens: int) -> Reply:
         send = lambda: post(self.router.url, generate_body(text, max_tokens))  # noqa: E731
@@ -330,11 +382,12 @@ class Bed:
 
     def direct(self, mode: str, text: str, max_tokens: int, rid: str | None = None) -> Reply:
         """PD the way the router does it: one body to prefill and decode, a fresh room."""
+        prefill = self.prefill(mode)
 
         def once() -> Reply:
-            body = with_room(generate_body(text, max_tokens, rid), self.bootstrap)
+            body = with_room(generate_body(text, max_tokens, rid), prefill.bootstrap)
             with ThreadPoolExecutor(2) as pool:
-                first = pool.submit(post, self.prefill.url, body)
+                first = pool.submit(post, prefill.server.url, body)
                 served = pool.submit(post, self.decode[mode].url, body)
                 first.result()
                 return served.result()
@@ -358,8 +411,16 @@ class Bed:
         ``page_owners``; the radix decode only)."""
         return Path(self.decode[mode].env["KVWATCH_BED_OWNERS"])
 
+    def servers(self) -> list[Process]:
+        """The bed's SGLang servers (the drain decode not among them)."""
+        return [*(p.server for p in self.prefills.values()), *self.decode.values()]
+
+    def started(self) -> list[Process]:
+        """Every SGLang server of the deployment, the drain decode too."""
+        return [*self.servers(), *([self.drain] if self.drain else [])]
+
     def all_processes(self) -> list[Process]:
-        return [self.prefill, *self.decode.values(), self.router]
+        return [*self.started(), self.router]
 
 
 def reference_outputs(workdir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
@@ -378,26 +439,26 @@ def reference_outputs(workdir: Path, prompts: list[str], max_tokens: int) -> lis
 
 
 @contextmanager
-def running_bed(
-    transport: str,
-    workdir: Path,
-    *,
-    page_size: int = PAGE_SIZE,
-    decode_extra: list[str] | None = None,
-) -> Iterator[Bed]:
-    """prefill (kvwatch log, the corrupter) + decode(log) behind the router + decode(enforce)."""
+def running_bed(transport: str, workdir: Path) -> Iterator[Bed]:
+    """A prefill at each page size (kvwatch log, the corrupter), the log decode behind the
+    router and the enforce decode, each at its page size (``PAGE_SIZES``); over Mooncake, the
+    drain decode beside them."""
     assert only_loopback(), "run the bed inside a loopback-only netns (tests/sglang_pd/run.sh)"
-    prefill, prefill_spool, bootstrap = sglang_server(
-        "prefill",
-        workdir,
-        role="prefill",
-        transport=transport,
-        plugins="kvwatch,cpu_bed,corrupt_after_seal",
-        page_size=page_size,
-    )
+    prefills: dict[int, Prefill] = {}
+    spools: dict[str, Path] = {}
+    for page_size in sorted(set(PAGE_SIZES.values())):
+        server, spool, bootstrap = sglang_server(
+            f"prefill-page{page_size}",
+            workdir,
+            role="prefill",
+            transport=transport,
+            plugins="kvwatch,cpu_bed,corrupt_after_seal",
+            page_size=page_size,
+        )
+        prefills[page_size] = Prefill(server, bootstrap)
+        spools[server.name] = spool  # type: ignore[assignment]
     decode: dict[str, Process] = {}
-    spools: dict[str, Path] = {"prefill": prefill_spool}  # type: ignore[dict-item]
-    for mode in ("log", "enforce"):
+    for mode, page_size in PAGE_SIZES.items():
         # The decode radix cache off on one decode server, on on the other; that one's pool
         # small enough that the pages its cache's dedup frees are soon taken again (SGLang
         # hands out never-used pages first), with a decode reserve to match (512 by default).
@@ -414,24 +475,45 @@ def running_bed(
             mode=mode,
             # Ground truth for the radix cache's dedup: SGLang's reserves and rows.
             plugins="kvwatch,cpu_bed,page_owners,drain_rows" if radix else "kvwatch,cpu_bed",
-            extra=radix + (decode_extra or []),
+            extra=radix,
             page_size=page_size,
         )
         server.env["KVWATCH_BED_OWNERS"] = str(workdir / f"owners-decode-{mode}.jsonl")
         decode[mode] = server
         spools[server.name] = spool  # type: ignore[assignment]
-    front = router(workdir, prefill, bootstrap, decode["log"])
-    bed = Bed(transport, prefill, bootstrap, decode, front, spools, page_size=page_size)
+    fronted = prefills[PAGE_SIZES["log"]]
+    front = router(workdir, fronted.server, fronted.bootstrap, decode["log"])
+    bed = Bed(transport, prefills, decode, front, spools)
+    if transport == DRAIN_TRANSPORT:
+        bed.drain = drain_decode(workdir)
     with ExitStack() as stack:
         stack.callback(stop_all, bed.all_processes())
-        for server in (prefill, *decode.values()):
+        for server in bed.started():
             server.start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        for server in (prefill, *decode.values()):
+        for server in bed.started():
             server.wait_ready(deadline)
         front.start()
         warm_router(bed)
         yield bed
+
+
+def drain_decode(workdir: Path) -> Process:
+    """The deferred-release case's decode (kvwatch log, page size 16, ``DRAIN_*``)."""
+    server, _, _ = sglang_server(
+        "decode-drain",
+        workdir,
+        role="decode",
+        transport=DRAIN_TRANSPORT,
+        plugins="kvwatch,cpu_bed,page_owners,drain_rows",
+        extra=small_pool(DRAIN_POOL_TOKENS),
+    )
+    server.env.update(
+        SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=str(DRAIN_RELEASE_TIMEOUT_S),
+        KVWATCH_FREED_WATCH_S=str(DRAIN_WINDOW_S),
+        KVWATCH_BED_OWNERS=str(workdir / "owners-decode-drain.jsonl"),
+    )
+    return server
 
 
 def warm_router(bed: Bed) -> None:

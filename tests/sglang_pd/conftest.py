@@ -4,12 +4,19 @@ The main test run (``.venv``, no SGLang) does not collect these tests; inside th
 (``KVWATCH_SGLANG_PD_STAGE=1``, set by run.sh) a missing SGLang is an error, never a skip.
 A stage timeout sends SIGTERM: turned into KeyboardInterrupt, so pytest still runs the fixture
 teardown that stops every server's process group.
+
+The bed (``bed.running_bed``), one deployment per transport, serves test_pd.py and, over
+Mooncake, test_pd_drain.py: pytest runs each transport's tests together, then stops its bed.
 """
 
 import importlib.util
 import os
 import signal
+from collections.abc import Iterator
 from types import FrameType
+from typing import Any
+
+import pytest
 
 collect_ignore = ["stubs"]
 
@@ -24,3 +31,12 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 signal.signal(signal.SIGTERM, _interrupt)
+
+
+@pytest.fixture(scope="session", params=["mooncake_tcp", "nixl"])
+def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.sglang_pd.bed import running_bed  # needs requests: the stage's venv, not .venv
+
+    workdir = tmp_path_factory.mktemp(f"pd-{request.param}")
+    with running_bed(request.param, workdir) as running:
+        yield running

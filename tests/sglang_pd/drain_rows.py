@@ -1,4 +1,4 @@
-"""Ground truth for test_deferred_release.py and the radix dedup test: decode's reserves and its
+"""Ground truth for test_pd_drain.py and the radix dedup test: decode's reserves and its
 deferred releases (a test-only plugin, independent of kvwatch).
 
 Plugin ``drain_rows`` (an entry point of this bed's venv, setup_env.sh), loaded by SGLang in

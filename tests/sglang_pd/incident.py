@@ -21,6 +21,7 @@ from pathlib import Path
 from tests.sglang_pd.bed import (
     ROOT,
     START_TIMEOUT_S,
+    Prefill,
     Process,
     only_loopback,
     router,
@@ -39,12 +40,6 @@ DECODE_POOL = 8192
 #: request reads comes back in its text.
 RECITE_MODEL = ROOT / "build" / "sglang-pd-recite-model"
 SIZES = ["--model-path", str(RECITE_MODEL), "--context-length", str(CONTEXT)]
-
-
-@dataclass
-class Prefill:
-    server: Process
-    bootstrap: int
 
 
 @dataclass

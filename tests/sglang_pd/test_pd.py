@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
@@ -27,7 +26,6 @@ from tests.sglang_pd.bed import (
     Bed,
     generate_body,
     reference_outputs,
-    running_bed,
 )
 from tests.sglang_pd.corrupter import MARK
 
@@ -56,23 +54,6 @@ CLEAN = [prompt(2, 6), SHARED, SHARED + " " + prompt(3, 25), prompt(4, 40), prom
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     return reference_outputs(tmp_path_factory.mktemp("single"), CLEAN, MAX_TOKENS)
-
-
-# Each transport at SGLang's default page size (1: a page is one token slot) and at 16.
-@pytest.fixture(
-    scope="module",
-    params=[(t, p) for p in (16, 1) for t in ("mooncake_tcp", "nixl")],
-    ids=lambda param: f"{param[0]}-page{param[1]}",
-)
-def bed(
-    request: pytest.FixtureRequest,
-    tmp_path_factory: pytest.TempPathFactory,
-    reference: list[list[int]],
-) -> Iterator[Bed]:
-    transport, page_size = request.param
-    workdir = tmp_path_factory.mktemp(f"pd-{transport}-page{page_size}")
-    with running_bed(transport, workdir, page_size=page_size) as running:
-        yield running
 
 
 def counter(bed: Bed, server: str, name: str, **labels: str) -> float:
@@ -131,7 +112,7 @@ def test_clean_pd_requests_equal_one_server_with_zero_findings(
         assert counter(bed, server, "hook_errors") == 0, server
     # kvwatch loaded in every scheduler process (a hello on each spool) and said so in each
     # server's log, where an operator looks.
-    for process in (bed.prefill, *bed.decode.values()):
+    for process in bed.servers():
         assert any(r.get("type") == "hello" for r in bed.spool(process.name).records)
         assert "kvwatch: SGLang 0.5.23 plugin loaded, mode=" in process.text(), process.name
 
@@ -255,7 +236,7 @@ def corrupted(bed: Bed, mode: str, words: int) -> tuple[Any, list[dict[str, Any]
     # A prompt no other request shares, under ten pages: the wire carries one digest per page.
     rid = f"{MARK}-{bed.transport}-{mode}"
     served = bed.direct(mode, f"{mode} " + prompt(11, words), MAX_TOKENS, rid=rid)
-    assert f"corrupt_after_seal: changed one KV value of {rid}" in bed.prefill.text()
+    assert f"corrupt_after_seal: changed one KV value of {rid}" in bed.prefill(mode).server.text()
     deadline = time.monotonic() + SPOOL_WAIT_S
     while True:
         new = events(bed, server)[before:]
@@ -269,9 +250,13 @@ def test_kv_corrupted_after_the_seal_is_caught_and_served_in_log_mode(bed: Bed) 
     assert served.status == 200, served.body  # log mode records and serves
     assert describe(new) == [("checksum", "digest", "logged")], new
     assert new[0]["request_id"] == f"{MARK}-{bed.transport}-log"
-    # The one page that differs, named (at page size 1 the prompt's slots are more than the
-    # wire's per-page digests: one digest for all, every slot named).
-    assert len(new[0]["pages"]) == 1 or bed.page_size == 1, new[0]
+    assert_names_the_page(bed, "log", new[0])
+
+
+def assert_names_the_page(bed: Bed, mode: str, event: dict[str, Any]) -> None:
+    """The one page that differs, named (at page size 1 the prompt's slots are more than the
+    wire's per-page digests: one digest for all, every slot named)."""
+    assert len(event["pages"]) == 1 or bed.page_size(mode) == 1, event
 
 
 def test_kv_corrupted_after_the_seal_fails_the_request_in_enforce_mode(
@@ -281,13 +266,16 @@ def test_kv_corrupted_after_the_seal_fails_the_request_in_enforce_mode(
     assert served.status != 200 and KVWATCH_ABORT in served.body, served
     assert describe(new) == [("checksum", "digest", "enforced")], new
     assert new[0]["request_id"] == f"{MARK}-{bed.transport}-enforce"
+    assert_names_the_page(bed, "enforce", new[0])
     # The server goes on serving clean PD traffic.
     again = bed.direct("enforce", CLEAN[1], MAX_TOKENS)
     assert again.status == 200 and again.output_ids == reference[1], again.body
 
 
 def test_prefill_stays_clean_and_no_transport_retry_hid_a_finding(bed: Bed) -> None:
-    assert describe(events(bed, "prefill")) == []
-    assert counter(bed, "prefill", "hook_errors") == 0
+    for prefill in bed.prefills.values():
+        name = prefill.server.name
+        assert describe(events(bed, name)) == [], name
+        assert counter(bed, name, "hook_errors") == 0, name
     if bed.retried:
         print(f"transport failures retried ({bed.transport}): {bed.retried}")

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 
 import pytest
 
@@ -53,6 +54,7 @@ def test_loopback_detection(url: str, loopback: bool) -> None:
 
 class Handler(http.server.BaseHTTPRequestHandler):
     behaviour = "ok"
+    sent: ClassVar[list[int]] = []  # the prompt tokens of each request answered "ok"
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -71,6 +73,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, b"[1, 2]")
         elif kind == "ok":
             words = body["text"].count("word ")
+            type(self).sent.append(words + 6)
             meta = {"prompt_tokens": words + 6, "completion_tokens": 1, "finish_reason": "length"}
             self._send(200, json.dumps({"text": "x", "meta_info": meta}).encode())
 
@@ -82,8 +85,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def server(behaviour: str) -> Iterator[str]:
-    handler = type("H", (Handler,), {"behaviour": behaviour})
+def server(behaviour: str, sent: list[int] | None = None) -> Iterator[str]:
+    handler = type("H", (Handler,), {"behaviour": behaviour, "sent": [] if sent is None else sent})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -158,3 +161,17 @@ def test_json_output_of_an_answered_prompt(capsys: pytest.CaptureFixture[str]) -
     assert out["prompt_tokens"] == 100  # sized from calibration: words + 6 tokens
     assert out["exit_code"] == probe.EXIT_ANSWERED
     assert "word word" not in json.dumps(out)  # the filler is never printed
+
+
+def test_with_the_pool_known_no_sizing_prompt_goes_past_it() -> None:
+    """Only the long prompt may be past the pool: the calibration's 1,024-word prompt (1,030
+    tokens here) would itself be rejected at intake, and leak on a vulnerable release, in a
+    pool of 1,024 tokens. The markers are the user's to size (one repeat here)."""
+    sent: list[int] = []
+    with server("ok", sent) as url:
+        code = probe.run(args(url, pool_tokens=1024, context_length=2048, prompt_tokens=1536))
+    assert code == probe.EXIT_ANSWERED
+    long, *sizing = sorted(sent, reverse=True)
+    assert long == 1536  # sized from the calibration's fit: words + 6 tokens
+    assert max(sizing) <= 1024 * probe.IN_POOL, sent
+    assert 256 + 6 in sizing  # calibrated all the same, from what fits

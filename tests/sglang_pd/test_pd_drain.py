@@ -1,9 +1,10 @@
 """An aborted transfer that SGLang's decode releases on its timeout, in real servers.
 
-One prefill and one decode (kvwatch in ``log`` mode on both, KV moved by Mooncake over TCP, page
-size 16), decode's pool 64 pages so that freed pages are reused at once, SGLang's deferred-release
-timeout (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``) at
-:data:`RELEASE_TIMEOUT_S` and kvwatch's window (``KVWATCH_FREED_WATCH_S``) at :data:`WINDOW_S`.
+The Mooncake bed's prefill at page size 16 and its drain decode beside the bed's own
+(``bed.drain_decode``: kvwatch in ``log`` mode on both), decode's pool 64 pages so that freed
+pages are reused at once, SGLang's deferred-release timeout
+(``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``) at :data:`RELEASE_TIMEOUT_S` and
+kvwatch's window (``KVWATCH_FREED_WATCH_S``) at :data:`WINDOW_S`.
 
 **How the transfer fails, and why it is real.** The prefill server's scheduler process (where
 its Mooncake transfer engine and its bootstrap thread run) is stopped with SIGSTOP: a prefill
@@ -57,26 +58,24 @@ import requests
 
 from engine_hooks.testing import SpoolContents, read_spool
 from tests.sglang_pd.bed import (
-    START_TIMEOUT_S,
+    DRAIN_POOL_TOKENS,
+    DRAIN_RELEASE_TIMEOUT_S,
+    DRAIN_TRANSPORT,
+    DRAIN_WINDOW_S,
+    PAGE_SIZE,
+    Bed,
+    Prefill,
     Process,
     Reply,
     generate_body,
-    only_loopback,
     post,
-    sglang_server,
-    small_pool,
-    stop_all,
     with_room,
 )
-from tests.sglang_pd.incident import Prefill
 
-TRANSPORT = "mooncake_tcp"
-DECODE_POOL = 1024  # tokens: 64 pages of 16
-# SGLang's deferred-release timeout here (30 s by default): long enough for the drained
-# control's ACK on a slow machine.
-RELEASE_TIMEOUT_S = 8.0
-# kvwatch's KVWATCH_FREED_WATCH_S here (10 s by default): three PD requests must be done in it.
-WINDOW_S = 10.0
+#: The Mooncake bed only (conftest.py): the drain decode is beside its own.
+pytestmark = pytest.mark.parametrize("bed", [DRAIN_TRANSPORT], indirect=True)
+RELEASE_TIMEOUT_S = DRAIN_RELEASE_TIMEOUT_S
+WINDOW_S = DRAIN_WINDOW_S
 MAX_TOKENS = 8
 ABORTED_WORDS = 135  # about 330 tokens: 21 pages
 # About 795 tokens: 50 pages, more than the 43 the pool has besides the aborted request's, so a
@@ -103,14 +102,14 @@ def words(seed: int, count: int) -> str:
 class Drain:
     prefill: Prefill
     decode: Process
-    workdir: Path
     #: Prefill's scheduler process: its transfer engine, bootstrap thread and forward.
     scheduler: psutil.Process
     pool: ThreadPoolExecutor
+    spools: dict[str, Path]  # "prefill", "decode"
 
     @property
     def owners(self) -> Path:
-        return self.workdir / "owners-decode.jsonl"
+        return Path(self.decode.env["KVWATCH_BED_OWNERS"])
 
     def lines(self) -> list[dict[str, Any]]:
         """SGLang's lines, in decode's order; a line still being written is left for later."""
@@ -118,7 +117,7 @@ class Drain:
         return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
     def spool(self, name: str) -> SpoolContents:
-        return read_spool(self.workdir / f"spool-{name}")
+        return read_spool(self.spools[name])
 
     def body(self, text: str, rid: str) -> dict[str, Any]:
         return with_room(generate_body(text, MAX_TOKENS, rid), self.prefill.bootstrap)
@@ -152,35 +151,16 @@ def scheduler_of(server: Process) -> psutil.Process:
 
 
 @pytest.fixture(scope="module")
-def drain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Drain]:
-    assert only_loopback(), "run the bed inside a loopback-only netns (tests/sglang_pd/run.sh)"
-    workdir = tmp_path_factory.mktemp("deferred-release")
-    prefill, _, bootstrap = sglang_server("prefill", workdir, role="prefill", transport=TRANSPORT)
-    decode, _, _ = sglang_server(
-        "decode",
-        workdir,
-        role="decode",
-        transport=TRANSPORT,
-        plugins="kvwatch,cpu_bed,page_owners,drain_rows",
-        extra=small_pool(DECODE_POOL),
-    )
-    decode.env.update(
-        SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=str(RELEASE_TIMEOUT_S),
-        KVWATCH_FREED_WATCH_S=str(WINDOW_S),
-        KVWATCH_BED_OWNERS=str(workdir / "owners-decode.jsonl"),
-    )
+def drain(bed: Bed) -> Iterator[Drain]:
+    assert bed.drain is not None, f"no drain decode in the {bed.transport} bed"
+    prefill = bed.prefills[PAGE_SIZE]
+    spools = {"prefill": bed.spools[prefill.server.name], "decode": bed.drain.spool}
     with ExitStack() as stack:
-        stack.callback(stop_all, [prefill, decode])
-        for server in (prefill, decode):
-            server.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in (prefill, decode):
-            server.wait_ready(deadline)
         pool = stack.enter_context(ThreadPoolExecutor(4))
-        scheduler = scheduler_of(prefill)
-        # Before the pool waits for prefill's replies, and before the servers stop.
+        scheduler = scheduler_of(prefill.server)
+        # Before the pool waits for prefill's replies, and before the bed goes on.
         stack.callback(lambda: scheduler.is_running() and scheduler.resume())
-        yield Drain(Prefill(prefill, bootstrap), decode, workdir, scheduler, pool)
+        yield Drain(prefill, bed.drain, scheduler, pool, spools)
 
 
 def describe(found: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
@@ -273,7 +253,7 @@ def test_clean_requests_give_no_finding(drain: Drain) -> None:
         assert any(r.get("type") == "hello" for r in spool.records), name
         assert describe(spool.events()) == [], name
     assert "kvwatch: SGLang 0.5.23 plugin loaded, mode=" in drain.decode.text()
-    assert "max_total_num_tokens=1024" in drain.decode.text()  # the 64-page pool
+    assert f"max_total_num_tokens={DRAIN_POOL_TOKENS}" in drain.decode.text()  # 64 pages
 
 
 def test_a_drained_release_gives_no_finding_though_its_pages_are_taken(drain: Drain) -> None:
