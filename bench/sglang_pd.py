@@ -108,7 +108,7 @@ def main() -> None:
         "prefill", work, role="prefill", transport=transport, page_size=page_size
     )
     decodes: dict[str, Process] = {}
-    spools: dict[str, Path | None] = {}
+    spools: dict[str, Path] = {}
     for mode, plugins in (("kvwatch", "kvwatch,cpu_bed"), ("off", "cpu_bed")):
         decodes[mode], spools[mode], _ = sglang_server(
             f"decode-{mode}",

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ def only_loopback() -> bool:
     return sorted(os.listdir("/sys/class/net")) == ["lo"]
 
 
+@cache
 def other_model_archs() -> str:
     """Every model module of SGLang's but Llama's (both of the bed's models are
     ``LlamaForCausalLM``), for ``SGLANG_DISABLED_MODEL_ARCHS``: SGLang's model registry
@@ -215,7 +217,7 @@ def sglang_server(
     plugins: str = "kvwatch,cpu_bed",
     extra: list[str] | None = None,
     page_size: int = PAGE_SIZE,
-) -> tuple[Process, Path | None, int]:
+) -> tuple[Process, Path, int]:
     """A server process (not started), its kvwatch spool and its bootstrap port (prefill)."""
     port, bootstrap = free_port(), free_port()
     cmd = [
@@ -456,7 +458,7 @@ def running_bed(transport: str, workdir: Path) -> Iterator[Bed]:
             page_size=page_size,
         )
         prefills[page_size] = Prefill(server, bootstrap)
-        spools[server.name] = spool  # type: ignore[assignment]
+        spools[server.name] = spool
     decode: dict[str, Process] = {}
     for mode, page_size in PAGE_SIZES.items():
         # The decode radix cache off on one decode server, on on the other; that one's pool
@@ -480,7 +482,7 @@ def running_bed(transport: str, workdir: Path) -> Iterator[Bed]:
         )
         server.env["KVWATCH_BED_OWNERS"] = str(workdir / f"owners-decode-{mode}.jsonl")
         decode[mode] = server
-        spools[server.name] = spool  # type: ignore[assignment]
+        spools[server.name] = spool
     fronted = prefills[PAGE_SIZES["log"]]
     front = router(workdir, fronted.server, fronted.bootstrap, decode["log"])
     bed = Bed(transport, prefills, decode, front, spools)

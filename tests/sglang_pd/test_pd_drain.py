@@ -3,8 +3,8 @@
 The Mooncake bed's prefill at page size 16 and its drain decode beside the bed's own
 (``bed.drain_decode``: kvwatch in ``log`` mode on both), decode's pool 64 pages so that freed
 pages are reused at once, SGLang's deferred-release timeout
-(``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``) at :data:`RELEASE_TIMEOUT_S` and
-kvwatch's window (``KVWATCH_FREED_WATCH_S``) at :data:`WINDOW_S`.
+(``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``) at ``DRAIN_RELEASE_TIMEOUT_S`` and
+kvwatch's window (``KVWATCH_FREED_WATCH_S``) at ``DRAIN_WINDOW_S`` (``bed.py``).
 
 **How the transfer fails, and why it is real.** The prefill server's scheduler process (where
 its Mooncake transfer engine and its bootstrap thread run) is stopped with SIGSTOP: a prefill
@@ -74,8 +74,6 @@ from tests.sglang_pd.bed import (
 
 #: The Mooncake bed only (conftest.py): the drain decode is beside its own.
 pytestmark = pytest.mark.parametrize("bed", [DRAIN_TRANSPORT], indirect=True)
-RELEASE_TIMEOUT_S = DRAIN_RELEASE_TIMEOUT_S
-WINDOW_S = DRAIN_WINDOW_S
 MAX_TOKENS = 8
 ABORTED_WORDS = 135  # about 330 tokens: 21 pages
 # About 795 tokens: 50 pages, more than the 43 the pool has besides the aborted request's, so a
@@ -277,7 +275,7 @@ def test_a_timed_out_release_names_each_request_that_took_its_pages(drain: Drain
         wait_until(
             lambda: SGLANG_TIMED_OUT.format(room=aborted.room) in drain.decode.text(),
             "SGLang's own timeout warning",
-            RELEASE_TIMEOUT_S + WAIT_S,
+            DRAIN_RELEASE_TIMEOUT_S + WAIT_S,
         )
         assert "releasing anyway" in drain.decode.text()
         assert wait_until(lambda: outcome(drain, aborted.rid), "SGLang's outcome") == "timeout"
@@ -288,7 +286,7 @@ def test_a_timed_out_release_names_each_request_that_took_its_pages(drain: Drain
     since = released_at(drain, aborted.rid)
     answered = through_the_pool(drain, "after-timeout", seed=21)
     # Every request in the window was done with its pages inside it (decode answered).
-    assert max(answered.values()) < since + WINDOW_S, (answered, since)
+    assert max(answered.values()) < since + DRAIN_WINDOW_S, (answered, since)
     got = takers(drain, aborted.rid)
     assert got, "the freed pages were taken"
     assert set(answered) - set(got), "a request in the window that took none of them"
@@ -296,7 +294,7 @@ def test_a_timed_out_release_names_each_request_that_took_its_pages(drain: Drain
     def found() -> list[dict[str, Any]]:
         return drain.spool("decode").events(kind="freed_before_drain")
 
-    wait_until(lambda: len(found()) >= len(got), "the findings", WINDOW_S + WAIT_S)
+    wait_until(lambda: len(found()) >= len(got), "the findings", DRAIN_WINDOW_S + WAIT_S)
     time.sleep(2.0)  # one more flush: nothing else comes
     events = found()
     assert sorted(e["request_id"] for e in events) == sorted(got), (events, got)
