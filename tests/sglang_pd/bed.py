@@ -425,12 +425,16 @@ class Bed:
         return [*self.started(), self.router]
 
 
-def reference_outputs(workdir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """The prompts served by one SGLang server, no PD, no kvwatch: the reference output."""
+def reference_server(workdir: Path) -> Process:
+    """One SGLang server, no PD, no kvwatch (not started): the reference output's."""
     server, _, _ = sglang_server("single", workdir, role=None, transport="", plugins="cpu_bed")
+    return server
+
+
+def reference_outputs(server: Process, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """The prompts served by the started reference server, which is then stopped."""
     with ExitStack() as stack:
         stack.callback(stop_all, [server])
-        server.start()
         server.wait_ready(time.monotonic() + START_TIMEOUT_S)
         out = []
         for text in prompts:

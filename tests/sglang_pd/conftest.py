@@ -33,10 +33,25 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 signal.signal(signal.SIGTERM, _interrupt)
 
 
+@pytest.fixture(scope="session")
+def reference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The plain server of test_pd.py's ``reference``, started (not waited for)."""
+    from tests.sglang_pd.bed import reference_server, stop_all
+
+    server = reference_server(tmp_path_factory.mktemp("single"))
+    server.start()
+    yield server
+    stop_all([server])
+
+
 @pytest.fixture(scope="session", params=["mooncake_tcp", "nixl"])
 def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from tests.sglang_pd.bed import running_bed  # needs requests: the stage's venv, not .venv
 
+    # The reference server starts with the first bed's servers, where it takes its share of the
+    # two cores (alone, its start left one idle for half a minute); only if a test needs it.
+    if any("reference" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("reference_server")
     workdir = tmp_path_factory.mktemp(f"pd-{request.param}")
     with running_bed(request.param, workdir) as running:
         yield running

@@ -24,6 +24,7 @@ import requests
 from tests.sglang_pd.bed import (
     KVWATCH_ABORT,
     Bed,
+    Process,
     generate_body,
     reference_outputs,
 )
@@ -52,8 +53,8 @@ CLEAN = [prompt(2, 6), SHARED, SHARED + " " + prompt(3, 25), prompt(4, 40), prom
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    return reference_outputs(tmp_path_factory.mktemp("single"), CLEAN, MAX_TOKENS)
+def reference(reference_server: Process) -> list[list[int]]:
+    return reference_outputs(reference_server, CLEAN, MAX_TOKENS)
 
 
 def counter(bed: Bed, server: str, name: str, **labels: str) -> float:
