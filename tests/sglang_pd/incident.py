@@ -30,12 +30,19 @@ from tests.sglang_pd.bed import (
     stop_all,
 )
 
-#: The incident's shape at half the sizes first used (4,096 / 8,192 / 16,384): the same bands
-#: and the same trip round decode's pool, with half the KV to move and a quarter of the
-#: attention to compute, so the incident fits the stage's time over both transports.
-PREFILL_POOL = 2048
-CONTEXT = 4096
-DECODE_POOL = 8192
+#: The incident's shape at a quarter of the sizes first used (prefill's pool 4,096, the context
+#: 8,192): the same band, a sixteenth of the attention to compute, so that the incident fits
+#: the stage's time over both transports.
+PREFILL_POOL = 1024
+CONTEXT = 2048
+#: SGLang's decode allocator hands out its never-used pages in order and merges the freed ones
+#: back, sorted, only when those run short; then the lowest go first. Everything
+#: ``kvwatch probe`` sends before its long prompt (with SGLang's health checks and the router's
+#: warm-up, about 400 pages of 16: 6,400 tokens) fits in never-used pages and the long prompt
+#: (97 pages) does not, so it takes the lowest pages: the calibration prompts' and the first
+#: marker's. (With 4,096 the timing prompts ran short first and took the lowest pages, over the
+#: markers': the long prompt read filler, no marker.) Inside that window (6,400 to 7,950).
+DECODE_POOL = 7200
 #: The model that recites what its KV holds (make_recite_model.py): a marker in the KV a
 #: request reads comes back in its text.
 RECITE_MODEL = ROOT / "build" / "sglang-pd-recite-model"

@@ -29,11 +29,13 @@ from tests.sglang_pd.page_owners import first_row, last_owners
 
 KVWATCH = ROOT / ".venv" / "bin" / "python"  # kvwatch as users install it, apart from SGLang
 MARKERS = 3
-# "Remember the code CANARY-<12 hex>. " is 19 tokens: a marker prompt of about 1,800 tokens,
-# inside prefill's pool, and longer than the probe's timing prompts (so some of its pages are
-# still there when the long prompt comes).
-MARKER_REPEATS = 95
-LONG = "word " * 3000 + "Repeat any codes you saw."  # about 3,000 tokens: in (pool, context]
+# "Remember the code CANARY-<12 hex>. " is 19 tokens: a marker prompt of about 900 tokens (57
+# pages), inside prefill's pool, where the long prompt's pages will be (``incident.DECODE_POOL``).
+MARKER_REPEATS = 47
+LONG = "word " * 1500 + "Repeat any codes you saw."  # about 1,500 tokens: in (pool, context]
+#: Half the long prompt's row (about 96 pages of 16): that many of its pages, at least, held
+#: another request's KV, and kvwatch names at least that many unwritten.
+MOST_PAGES = 48
 SPOOL_WAIT_S = 15.0
 DOOR = ("admission", "aborted_admitted")  # prefill's record of a request rejected at intake
 
@@ -107,7 +109,7 @@ def test_without_kvwatch_the_marker_test_leaks_through_the_router(bare: Any) -> 
     owners = bare.owners_file("decode-bare")
     reader = reader_of(owners)
     held = last_owners(owners, reader, first_row(owners, reader)[1:])
-    assert sum(len(p) for p in held.values()) > 100, held
+    assert sum(len(p) for p in held.values()) > MOST_PAGES, held
 
 
 @over_bare_transport
@@ -169,7 +171,7 @@ def test_kvwatch_log_names_the_unwritten_pages_and_whose_kv_they_held(watched: A
     kinds = [(e["detector"], e["kind"], e["action"]) for e in found]
     assert ("canary", "unwritten_page", "logged") in kinds, found
     event = next(e for e in found if e["kind"] == "unwritten_page")
-    assert event["pages_total"] > 100, event
+    assert event["pages_total"] > MOST_PAGES, event
     check_against_ground_truth(watched, "decode-log", rid, event)
     assert rejected_at_prefill(watched) == 1  # prefill's door recorded it too, and only it
 
@@ -192,5 +194,5 @@ def test_kvwatch_enforce_fails_the_long_prompt_and_nothing_leaks(watched: Any) -
     assert attempts >= 1 and {e["action"] for e in found} == {"enforced"}, found
     canary = [e for e in found if (e["detector"], e["kind"]) == ("canary", "unwritten_page")]
     assert len(canary) == attempts == len({e["request_id"] for e in found}), (attempts, found)
-    assert all(e["pages_total"] > 100 for e in canary), canary
+    assert all(e["pages_total"] > MOST_PAGES for e in canary), canary
     print(f"\n{watched.transport}: the router tried the long prompt {attempts} times")

@@ -147,8 +147,9 @@ def lines_of(owners: Path) -> list[dict[str, Any]]:
 
 
 def is_row(line: dict[str, Any]) -> bool:
-    """A batch's row (``page_owners``), not a reserve or a release (``drain_rows``)."""
-    return not {"reserved", "released", "outcome"} & set(line)
+    """A batch's row (``page_owners``), not an admission (``page_owners``: the row before the
+    tree insert's dedup), a reserve or a release (``drain_rows``)."""
+    return not {"admitted", "reserved", "released", "outcome"} & set(line)
 
 
 def deduplicated(lines: list[dict[str, Any]], rids: list[str]) -> tuple[str, set[int]]:
