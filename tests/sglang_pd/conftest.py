@@ -50,7 +50,7 @@ def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
     # The reference server starts with the first bed's servers, where it takes its share of the
     # two cores (alone, its start left one idle for half a minute); only if a test needs it.
-    if any("reference" in item.fixturenames for item in request.session.items):
+    if any("reference" in getattr(item, "fixturenames", ()) for item in request.session.items):
         request.getfixturevalue("reference_server")
     workdir = tmp_path_factory.mktemp(f"pd-{request.param}")
     with running_bed(request.param, workdir) as running:

@@ -3,7 +3,8 @@
 Loaded the way SGLang loads any plugin: the ``sglang.srt.plugins`` entry point ``cpu_bed``
 (a dist-info that tests/sglang_pd/setup_env.sh writes into the bed's venv only), selected by
 ``SGLANG_PLUGINS=kvwatch,cpu_bed``. Nothing here is part of kvwatch or its plugin; each shim
-replaces one CUDA assumption of SGLang's transfer code (README.md beside this file lists them).
+replaces one CUDA assumption of SGLang's (its transfer code's, and its start method's, which
+spawns because CUDA cannot be forked; README.md beside this file lists them).
 """
 
 from __future__ import annotations

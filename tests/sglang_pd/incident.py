@@ -40,8 +40,9 @@ CONTEXT = 2048
 #: ``kvwatch probe`` sends before its long prompt (with SGLang's health checks and the router's
 #: warm-up, about 400 pages of 16: 6,400 tokens) fits in never-used pages and the long prompt
 #: (97 pages) does not, so it takes the lowest pages: the calibration prompts' and the first
-#: marker's. (With 4,096 the timing prompts ran short first and took the lowest pages, over the
-#: markers': the long prompt read filler, no marker.) Inside that window (6,400 to 7,950).
+#: marker's. (With a decode pool of 4,096 the timing prompts ran short first and took the
+#: lowest pages, over the markers': the long prompt read filler, no marker.) Inside that
+#: window (6,400 to 7,950).
 DECODE_POOL = 7200
 #: The model that recites what its KV holds (make_recite_model.py): a marker in the KV a
 #: request reads comes back in its text.

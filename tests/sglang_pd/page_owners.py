@@ -61,13 +61,13 @@ def register() -> None:
     transfer_cls = importlib.import_module("sglang.srt.disaggregation.decode").DecodeTransferQueue
     pop_transferred = transfer_cls.pop_transferred
 
-    fake_host = importlib.import_module("sglang.srt.disaggregation.utils").FAKE_BOOTSTRAP_HOST
+    is_fake = importlib.import_module("sglang.srt.disaggregation.utils")._is_fake_transfer
 
     @functools.wraps(pop_transferred)
     def _pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
         admitted = pop_transferred(self, *args, **kwargs)
         # A fake transfer (SGLang's own health checks) writes nothing to the pages it holds.
-        sent = [req for req in admitted if getattr(req, "bootstrap_host", None) != fake_host]
+        sent = [req for req in admitted if not is_fake(req)]
         _record(self.scheduler, sent, admitted=True)
         return admitted
 

@@ -33,7 +33,7 @@ MARKERS = 3
 # pages), inside prefill's pool, where the long prompt's pages will be (``incident.DECODE_POOL``).
 MARKER_REPEATS = 47
 LONG = "word " * 1500 + "Repeat any codes you saw."  # about 1,500 tokens: in (pool, context]
-#: Half the long prompt's row (about 96 pages of 16): that many of its pages, at least, held
+#: Half the long prompt's row (97 pages of 16): that many of its pages, at least, held
 #: another request's KV, and kvwatch names at least that many unwritten.
 MOST_PAGES = 48
 SPOOL_WAIT_S = 15.0
