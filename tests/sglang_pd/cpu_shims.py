@@ -15,6 +15,8 @@ import logging
 import multiprocessing
 from typing import Any
 
+from tests.nixl_cpu import progress_delay
+
 logger = logging.getLogger("kvwatch.sglang_pd.cpu_bed")
 
 
@@ -59,30 +61,6 @@ def _nixl_dram() -> None:
         setattr(agent, name, as_dram)
 
 
-#: NIXL's progress-thread delay (``pthrDelay``), in microseconds.
-NIXL_PROGRESS_DELAY_US = 1000
-
-
-def _nixl_progress_delay() -> None:
-    """NIXL's Python agent sets its progress thread's delay to 0 (``pthrDelay``, nixl/_api.py),
-    so the thread polls UCX without pause: a whole core per NIXL server, idle or not, which a
-    2-core machine with three servers cannot spare. The thread stays (UCX over TCP needs it to
-    land a transfer), with a delay of :data:`NIXL_PROGRESS_DELAY_US` instead, for every agent
-    built through ``nixlBind.nixlAgent`` in this process (the transfer's: ``nixl_agent``)."""
-    api = importlib.import_module("nixl._api")
-    bindings = api.nixlBind
-    create = bindings.nixlAgent
-    if getattr(create, "_cpu_bed", False):
-        return
-
-    def with_delay(name: str, config: Any) -> Any:
-        config.pthrDelay = NIXL_PROGRESS_DELAY_US
-        return create(name, config)
-
-    with_delay._cpu_bed = True  # type: ignore[attr-defined]
-    bindings.nixlAgent = with_delay
-
-
 #: What the forkserver imports once per server, before it forks the scheduler and detokenizer.
 FORKSERVER_PRELOAD = ["sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
 
@@ -110,7 +88,7 @@ def _forkserver() -> None:
 
 
 def register() -> None:
-    for shim in (_mooncake_host_indices, _nixl_dram, _nixl_progress_delay, _forkserver):
+    for shim in (_mooncake_host_indices, _nixl_dram, progress_delay, _forkserver):
         try:
             shim()
         except ImportError as error:  # that transport is not installed: its shim is not needed

@@ -34,12 +34,17 @@ from engine_hooks.testing import SpoolContents, read_spool
 from tests.vllm_pd.corrupter import FLAG
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The entry point of the bed's test-only vLLM plugin (cpu_shims.py; setup_env.sh writes it).
+PLUGINS = ROOT / "build" / "vllm-pd-site"
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 START_TIMEOUT_S = 420.0  # three servers starting together on a busy 2-core machine
-# NIXL over UCX/TCP on a loaded 2-core machine stalls now and then: a worker blocked 170 s in a
-# handshake whose reply came, reads stalled over 60 s (CI). The bed tests kvwatch, not NIXL's
-# latency, so a request gets 4 minutes; a stall past that is still a failure, with the log tail.
+# NIXL over UCX/TCP on a loaded 2-core machine stalled now and then: a worker blocked 170 s in a
+# handshake whose reply came, reads stalled over 60 s, a worker inside a step for 4 minutes (CI).
+# Most of that load was NIXL's own progress thread, polling without pause in every NIXL server
+# (five here): the cpu_bed plugin (cpu_shims.py) gives it a delay. The bed tests kvwatch, not
+# NIXL's latency, so a request still gets 4 minutes; a stall past that is a failure, with the
+# log tail.
 REQUEST_TIMEOUT_S = 240.0
 # NIXL's KV lease (``kv_lease_duration``, 30 s by default): prefill frees a request's blocks when
 # decode has not read them by then, and a read after that returns whatever the blocks hold now
@@ -162,7 +167,10 @@ class Server:
     def start(self) -> None:
         env = dict(os.environ)
         env.update(
-            PYTHONPATH=str(ROOT),
+            PYTHONPATH=os.pathsep.join(map(str, [ROOT, PLUGINS])),
+            # vLLM's own value (nixl_utils), which it sets only when NIXL is not yet imported:
+            # the cpu_bed plugin imports it first.
+            UCX_RCACHE_MAX_UNRELEASED="1024",
             VLLM_HOST_IP="127.0.0.1",
             VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
             VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_port),

@@ -36,6 +36,14 @@ link_repo() {
     # The repository on the venv's path (this clone, wherever it lives): no copy, no egg-info.
     site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     echo "$ROOT" > "$site/kvwatch-repo.pth"
+    # The bed's test-only vLLM plugin (cpu_shims.py: NIXL's progress thread), found by vLLM's
+    # load_general_plugins() through the servers' PYTHONPATH (bed.py), never in kvwatch's own
+    # metadata and never in pytest's own process.
+    shim="$ROOT/build/vllm-pd-site/kvwatch_vllm_pd_cpu_bed-0.0.0.dist-info"
+    mkdir -p "$shim"
+    printf 'Metadata-Version: 2.1\nName: kvwatch-vllm-pd-cpu-bed\nVersion: 0.0.0\n' > "$shim/METADATA"
+    printf '[vllm.general_plugins]\ncpu_bed = tests.vllm_pd.cpu_shims:register\n' \
+        > "$shim/entry_points.txt"
 }
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then

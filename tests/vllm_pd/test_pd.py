@@ -185,9 +185,12 @@ def test_prefill_and_other_servers_stay_clean_after_corruption(bed: Bed) -> None
 LEASE_WAIT_S = 120.0
 
 
-def nixl_only(bed: Bed) -> Server:
-    if bed.lease is None:
-        pytest.skip("the lease case and the second prefill are the NIXL bed's")
+#: The lease case and the second prefill are the NIXL bed's: these tests run on it alone.
+nixl_only = pytest.mark.parametrize("bed", ["nixl"], indirect=True)
+
+
+def lease_server(bed: Bed) -> Server:
+    assert bed.lease is not None, "the NIXL bed has prefill-lease"
     return bed.lease
 
 
@@ -278,7 +281,7 @@ def lease_attempt(bed: Bed, mode: str, tag: str) -> dict[str, Any]:
     has given the freed blocks to one of them; then until kvwatch's window closed and its
     prefill finding is in the spool; then decode reads. Each wait is on what the engines say
     (NIXL's log line, vLLM's recorded allocations, kvwatch's spool), never on a sleep alone."""
-    lease = nixl_only(bed)
+    lease = lease_server(bed)
     victim = f"{mode} victim {tag} " + prompt(31, 110)
     params = bed.prefill_half(victim, prefill=lease)
     rid = str(params["remote_request_id"])
@@ -341,6 +344,7 @@ def lease_case(bed: Bed, mode: str) -> dict[str, Any]:
     return case
 
 
+@nixl_only
 def test_an_expired_lease_is_caught_on_both_sides_and_the_view_names_the_takers(
     bed: Bed,
 ) -> None:
@@ -370,6 +374,7 @@ def test_an_expired_lease_is_caught_on_both_sides_and_the_view_names_the_takers(
     assert not apart  # joined: one incident, not one per node
 
 
+@nixl_only
 def test_an_expired_lease_fails_the_request_in_enforce_mode(bed: Bed) -> None:
     case = lease_case(bed, "enforce")
     assert case["served"].status != 200
@@ -378,10 +383,10 @@ def test_an_expired_lease_fails_the_request_in_enforce_mode(bed: Bed) -> None:
     assert case["freed"]["action"] == "logged"  # the writer's request is gone: decode fails it
 
 
+@nixl_only
 def test_a_slow_read_inside_the_lease_is_no_finding(bed: Bed) -> None:
     """The proxy holds the decode half twice as long as prefill-lease's lease, with other
     traffic on prefill meanwhile, under vLLM's long lease (prefill's): no finding anywhere."""
-    nixl_only(bed)
     servers = ("prefill", "decode-log")
     before = {s: len(findings(bed, s)) for s in servers}
     verified = counter(bed, "decode-log", "verifications", detector="checksum")
@@ -403,8 +408,8 @@ def test_a_slow_read_inside_the_lease_is_no_finding(bed: Bed) -> None:
         assert describe(findings(bed, server)[count:]) == [], server
 
 
+@nixl_only
 def test_the_peer_metric_and_alert_name_the_corrupting_prefill_only(bed: Bed) -> None:
-    nixl_only(bed)
     (other,) = bed.others
     for i in range(3):  # prefill's transfers corrupted after the seal (the test-only hook)
         bed.pd("log", f"peer corrupt {i} " + prompt(70 + i, 70), 4, corrupt=True)
