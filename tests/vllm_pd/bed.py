@@ -459,6 +459,12 @@ class Bed:
         return read_spool(self.spools[server])
 
 
+#: The side traffic's period. vLLM's worker busy-waits for 1 s after each message it reads
+#: (``SpinCondition``, shm_broadcast.py) before it sleeps on a socket: a tick every second kept
+#: each ticked worker at 98% of a core on 2 cores, every 3 s at 34%.
+TICK_S = 3.0
+
+
 class Ticker:
     """Plain one-token requests to each server, every ``interval_s``, while the bed runs.
 
@@ -466,7 +472,7 @@ class Ticker:
     cover it too), and it keeps every engine stepping. One thread per server: a decode engine
     stuck in a NIXL stall (see ``REQUEST_TIMEOUT_S``) stops no other server's side traffic."""
 
-    def __init__(self, servers: list[Server], interval_s: float = 1.0) -> None:
+    def __init__(self, servers: list[Server], interval_s: float = TICK_S) -> None:
         self.interval_s = interval_s
         self.stop_event = threading.Event()
         self.threads = [
@@ -564,6 +570,7 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
             args=["--num-gpu-blocks-override", str(LEASE_POOL_BLOCKS)],
         )
         servers.append(lease)
+    assert list(PLUGINS.glob("*.dist-info/entry_points.txt")), "run tests/vllm_pd/setup_env.sh"
     with ExitStack() as stack:
         stack.callback(stop_all, servers)
         for server in servers:
