@@ -330,7 +330,8 @@ def lease_case(bed: Bed, mode: str) -> dict[str, Any]:
     """:func:`lease_attempt`, once more when decode's read failed in the transport (its first
     NIXL handshake with prefill-lease is in it), or when a request to prefill-lease timed out
     (its worker stalled for minutes on 2 cores, then served again: seen twice in fresh-clone
-    runs): the cause printed, no finding."""
+    runs, while NIXL's progress threads still spun; see ``REQUEST_TIMEOUT_S``): the cause
+    printed, no finding."""
     try:
         case = lease_attempt(bed, mode, "1")
         cause = case["cause"]
