@@ -83,6 +83,10 @@ class Seal:
     #: page: its previous holder, when the writer wrote fewer tokens than its pages hold. A
     #: reader that reads past the sealed pages reads that tail too (it is named as a source).
     residue: tuple[tuple[str, str], ...] = ()
+    #: Per page, one digest per KV head, where the pool sees its heads
+    #: (:class:`engine_hooks.heads.HeadedPool`): ``pages`` are composed from them, and a reader
+    #: of another tensor-parallel width recombines the heads it holds.
+    heads: tuple[tuple[int, ...], ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"page_count": self.page_count, "digest": self.digest}
@@ -308,6 +312,7 @@ class TransferChecksum(Detector):
     name = DETECTOR.check("checksum")
     PAGE_COUNT = KIND.check("page_count")
     DIGEST = KIND.check("digest")
+    LAYOUT_MISMATCH = KIND.check("layout_mismatch")
 
     def __init__(self, pool: PagedKVPool, stats: Stats, mode: Mode) -> None:
         super().__init__(stats, mode)
@@ -318,10 +323,23 @@ class TransferChecksum(Detector):
         return Seal(count, self.pool.checksum(pages))
 
     def seal_pages(self, pages: PageIds) -> Seal:
-        """A seal with one digest per page (see :class:`Seal`)."""
+        """A seal with one digest per page (see :class:`Seal`), and per KV head where the pool
+        sees its heads."""
         ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
-        digests = tuple(self.pool.checksum((p,)) for p in ids)
-        return Seal(len(ids), page_digests_digest(digests), digests)
+        heads = self.pool.head_digests(ids)
+        if heads is None:
+            digests = self.pool.page_digests(ids)
+            return Seal(len(ids), page_digests_digest(digests), digests)
+        digests = tuple(page_digests_digest(row) for row in heads)
+        return Seal(len(ids), page_digests_digest(digests), digests, heads=heads)
+
+    def layout_mismatch(
+        self, request_id: str, pages: PageIds, detail: Mapping[str, int | str]
+    ) -> Verdict:
+        """The writer's pages mean something else than the reader's (``detail``: what differs):
+        the bytes may arrive intact and still be read wrongly, so no digest is compared."""
+        ids = tuple(pages.tolist() if isinstance(pages, torch.Tensor) else pages)
+        return self.mismatch(request_id, self.LAYOUT_MISMATCH, ids, **detail)
 
     def verify(self, request_id: str, pages: PageIds, seal: Seal) -> Verdict:
         ids = tuple(pages.tolist() if isinstance(pages, torch.Tensor) else pages)
@@ -335,9 +353,8 @@ class TransferChecksum(Detector):
                 held_pages=len(ids),
             )
         if seal.pages:
-            bad = tuple(
-                p for p, d in zip(ids, seal.pages, strict=True) if self.pool.checksum((p,)) != d
-            )
+            read = self.pool.page_digests(ids)
+            bad = tuple(p for p, d, r in zip(ids, seal.pages, read, strict=True) if r != d)
             if bad:
                 return self.mismatch(request_id, self.DIGEST, bad, pages_differ=len(bad))
             return self.clean(request_id)

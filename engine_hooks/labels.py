@@ -55,6 +55,7 @@ class Kind(StrEnum):
     WRITE_TO_FREE_PAGE = "write_to_free_page"
     DIGEST = "digest"
     PAGE_COUNT = "page_count"
+    LAYOUT_MISMATCH = "layout_mismatch"
     STALE_TAG = "stale_tag"
     DOUBLE_FREE = "double_free"
     ABORTED_ADMITTED = "aborted_admitted"

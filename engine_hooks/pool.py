@@ -121,6 +121,16 @@ class PagedKVPool:
             raise ValueError(f"page id out of range [0, {self.num_pages})")
         return adler32_addresses(*self.chunks(ids), value)
 
+    def page_digests(self, pages: PageIds) -> tuple[int, ...]:
+        """One digest per page, in order: what a per-page seal holds and its reader compares."""
+        ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
+        return tuple(self.checksum((p,)) for p in ids)
+
+    def head_digests(self, pages: PageIds) -> tuple[tuple[int, ...], ...] | None:
+        """Per page, one digest per KV head (:class:`engine_hooks.heads.HeadedPool`); None for a
+        pool that does not see its heads."""
+        return None
+
     def chunks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The seal's stream as ``(addresses, lengths)`` uint64 arrays of a CPU pool: buffer by
         buffer, the pages ``ids`` in order, one chunk per (buffer, page)."""

@@ -338,8 +338,14 @@ class KVWatch:
         *,
         before_read: bool = False,
         context: Mapping[str, int | str] | None = None,
+        layout: Mapping[str, int | str] | None = None,
     ) -> list[Verdict]:
         """Before decode admits a request and reads its KV: every detector, in one go.
+
+        ``layout``: what the adapter found to differ between the seal's layout signature and its
+        own pages (non-empty): the checksum's verdict is then a ``layout_mismatch`` with that
+        detail, in place of the digest comparison (the bytes would be read wrongly, whatever
+        their digest).
 
         ``before_read``: the engine calls this before anything reads the pages and fails the
         request when a verdict ``blocks`` (see :func:`_stopped`). ``context``: what the adapter
@@ -353,7 +359,11 @@ class KVWatch:
         rid, instance = ticket.request_id, ticket.instance
         residue: Sequence[tuple[str, str]] = ()
         verdicts = self._verdicts(self._admit_findings(ticket))
-        if self._checksum.active():
+        if self._checksum.active() and layout:
+            verdict = self._checksum.layout_mismatch(rid, ticket.pages, layout)
+            self._stats.verified(TransferChecksum.name)
+            verdicts.append(replace(verdict, instance=instance))
+        elif self._checksum.active():
             if seal is None:
                 self._stats.skipped(self._checksum.name, Skip.NO_SEAL)
             else:

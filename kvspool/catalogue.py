@@ -79,6 +79,9 @@ KIND: Final = _label(
         "write_to_free_page": "a free page's canary was overwritten before its next allocation",
         "digest": "the reader's Adler-32 over the pages differs from the writer's seal",
         "page_count": "the reader holds a different number of pages than the writer sealed",
+        "layout_mismatch": "the writer's seal describes its pages' bytes (dtype, page size,"
+        " layers, KV heads, head size, memory layout) differently from the reader's: intact"
+        " bytes would be read wrongly",
         "stale_tag": "a page's generation changed while a request still referenced it",
         "double_free": "a page returned to the free list while already free",
         "aborted_admitted": "an aborted request passed an admission queue",

@@ -30,11 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch, Scrub
+from engine_hooks.heads import head_range
 from engine_hooks.labels import Detector, Hook, Skip
 from engine_hooks.scrub import parse_scrub
 from engine_hooks.takers import DEFAULT_FREED_WATCH_S
 from engine_hooks.vllm.guard import logger, safe
-from engine_hooks.vllm.layout import kv_pool
+from engine_hooks.vllm.layout import head_views, kv_pool
+from engine_hooks.vllm.layout import signature as layout_signature
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
 from engine_hooks.vllm.worker import WorkerSide
@@ -77,6 +79,9 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         self.transport = str(extra.get("transport") or "")
         self.freed_watch_s = float(extra.get("freed_watch_s", DEFAULT_FREED_WATCH_S))
         self.rank = _tp_rank(vllm_config)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        self.cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         groups = kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec if groups else None
         self.block_size = int(getattr(spec, "block_size", 0) or 0)
@@ -108,11 +113,9 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
     @safe(Hook.STARTUP)
     def _start_scheduler(self, model_config: Any) -> None:
         self.watch = self._new_watch(None)
-        parallel = getattr(self._vllm_config, "parallel_config", None)
-        tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         identity = {"node": self.node, "engine_id": str(self._kv_transfer_config.engine_id)}
         self.scheduler = SchedulerSide(
-            self.num_blocks, self.block_size, tp_size, identity, self.transport
+            self.num_blocks, self.block_size, self.tp_size, identity, self.transport
         )
         max_len = getattr(model_config, "max_model_len", None)
         if max_len and self.block_size:
@@ -124,17 +127,46 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
 
     @safe(Hook.STARTUP)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        pool = None
+        pool, signature = None, None
         if self.single_group and self.block_size:
-            pool = kv_pool(kv_caches, self.num_blocks, self.block_size, self.kv_dtype)
+            local = head_views(kv_caches, self.num_blocks)
+            kv_heads = self._total_kv_heads(int(local[0].shape[1]) if local else 0)
+            head_start, _ = head_range(self.rank, self.tp_size, kv_heads)
+            pool = kv_pool(
+                kv_caches, self.num_blocks, self.block_size, self.kv_dtype, head_start=head_start
+            )
+            signature = layout_signature(
+                kv_caches,
+                self.num_blocks,
+                self.block_size,
+                dtype=self._dtype_name(),
+                kv_heads=kv_heads,
+                head_start=head_start,
+            )
         self.watch = self._new_watch(pool)
         if pool is None:
             for detector in (Detector.CANARY, Detector.CHECKSUM, Detector.PAGE_TAG):
                 self.watch.skip(detector, Skip.UNSUPPORTED_LAYOUT)
             return
-        self.worker = WorkerSide(self.watch, pool, self.rank, self.resolve_interval)
+        self.worker = WorkerSide(self.watch, pool, self.rank, self.resolve_interval, signature)
         if self.engine_role != "decode":
             self.worker.watch_lease_expiry(self.freed_watch_s)
+
+    def _total_kv_heads(self, local: int) -> int:
+        """The model's KV heads (every rank's), from vLLM's model config; else this rank's
+        times the TP width."""
+        model_config = getattr(self._vllm_config, "model_config", None)
+        try:
+            return int(model_config.get_total_num_kv_heads())  # type: ignore[union-attr]
+        except Exception:
+            return local * self.tp_size
+
+    def _dtype_name(self) -> str:
+        """What a KV element is: vLLM's ``cache_dtype`` (``fp8_e4m3`` ...), or for ``auto`` the
+        pool's own dtype (``bfloat16`` ...)."""
+        if self.cache_dtype != "auto":
+            return self.cache_dtype[:32]
+        return str(self.kv_dtype or "").removeprefix("torch.")[:32]
 
     @safe(Hook.VERIFY)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -7,6 +7,10 @@ block-outermost (``BLHNC``, ``BLNHC``, ``BHLNC``: each block holds every layer's
 read pages as raw bytes, so both become ``[num_blocks, page_bytes]`` uint8 buffers over the same
 storage (``Layout.PAGES``), with no copy. Layouts whose block is not one dense run of bytes in
 either sense (``LHBNC``) are reported as unsupported, never guessed.
+
+The same views, head at dim 1, give the pool its per-KV-head digests
+(:class:`~engine_hooks.heads.HeadedPool`), and :func:`signature` says what the bytes mean, for a
+reader to check before it reads them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_hooks.heads import HeadedPool
 from engine_hooks.pool import Layout, PagedKVPool
 
 
@@ -52,16 +57,26 @@ def _describe(view: torch.Tensor, num_blocks: int) -> _Page | None:
     )
 
 
-def page_buffers(
+def _layer_views(
     kv_caches: Mapping[str, torch.Tensor], num_blocks: int
-) -> list[torch.Tensor] | None:
-    """``[num_blocks, page_bytes]`` uint8 buffers covering every layer's pages, or None."""
+) -> dict[_Page, torch.Tensor] | None:
+    """Each distinct layer page (layers that share one are read once), in the engine's order."""
     pages: dict[_Page, torch.Tensor] = {}
     for view in kv_caches.values():
         page = _describe(view, num_blocks)
         if page is None:
             return None
         pages.setdefault(page, view)
+    return pages
+
+
+def page_buffers(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int
+) -> list[torch.Tensor] | None:
+    """``[num_blocks, page_bytes]`` uint8 buffers covering every layer's pages, or None."""
+    pages = _layer_views(kv_caches, num_blocks)
+    if pages is None:
+        return None
     buffers: list[torch.Tensor] = []
     packed: dict[int, list[_Page]] = {}
     for page, view in pages.items():
@@ -97,14 +112,77 @@ def _tiles(group: list[_Page]) -> list[int]:
     return starts
 
 
+def head_views(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor] | None:
+    """The distinct layers' ``[B, H, N, C]`` views, or None when they are not all 4-D with one
+    head count (the hooks then seal whole pages, which only a reader of the same TP width and
+    head slice can check)."""
+    pages = _layer_views(kv_caches, num_blocks)
+    if pages is None:
+        return None
+    views = list(pages.values())
+    if any(v.dim() != 4 for v in views) or len({v.shape[1] for v in views}) != 1:
+        return None
+    return views
+
+
+def physical_order(view: torch.Tensor, page_bytes: int) -> str:
+    """vLLM's name for a ``[B, H, N, C]`` view's memory layout (``LBHNC``, ``LBNHC``, ``BLHNC``,
+    ...): block-outermost when a block holds every layer's page, then H, N, C by stride."""
+    by_stride = sorted(zip(view.stride()[1:], "HNC", strict=True), key=lambda x: -x[0])
+    inner = "".join(name for _, name in by_stride)
+    compact = view.stride(0) * view.element_size() == page_bytes
+    return ("LB" if compact else "BL") + inner
+
+
+def signature(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    *,
+    dtype: str,
+    kv_heads: int,
+    head_start: int,
+) -> dict[str, int | str] | None:
+    """What this rank's pages mean, for the seal (see :data:`SIGNATURE_FIELDS`); None when the
+    layout is not one the hooks read."""
+    views = head_views(kv_caches, num_blocks)
+    if not views:
+        return None
+    first = views[0]
+    item = first.element_size()
+    return {
+        "dtype": dtype,
+        "block_size": block_size,
+        "layers": len(views),
+        "kv_heads": kv_heads,
+        "head_start": head_start,
+        "head_count": int(first.shape[1]),
+        "cell_bytes": int(first.shape[3]) * item,
+        "layout": physical_order(first, first[0].numel() * item),
+    }
+
+
+#: The signature's fields that writer and reader must agree on: what a byte means. The head
+#: range is the writer's own (the reader recombines heads across ranks); ``layout`` is compared
+#: only where the transport copies blocks as raw bytes (see the connector's worker).
+SIGNATURE_FIELDS: tuple[str, ...] = ("dtype", "block_size", "layers", "kv_heads", "cell_bytes")
+
+
 def kv_pool(
     kv_caches: Mapping[str, torch.Tensor],
     num_blocks: int,
     block_size: int,
     kv_dtype: torch.dtype | None = None,
+    head_start: int = 0,
 ) -> PagedKVPool | None:
-    """The pool for the hooks, or None when the layout is not one the hooks can read."""
+    """The pool for the hooks (per KV head where the views show heads), or None when the layout
+    is not one the hooks can read."""
     buffers = page_buffers(kv_caches, num_blocks)
     if buffers is None:
         return None
-    return PagedKVPool(buffers, block_size, layout=Layout.PAGES, kv_dtype=kv_dtype)
+    views = head_views(kv_caches, num_blocks)
+    if views is None:
+        return PagedKVPool(buffers, block_size, layout=Layout.PAGES, kv_dtype=kv_dtype)
+    return HeadedPool(
+        buffers, block_size, views, head_start=head_start, layout=Layout.PAGES, kv_dtype=kv_dtype
+    )

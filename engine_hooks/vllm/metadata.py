@@ -25,10 +25,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 #: ``kv_transfer_params`` key that carries the seals from prefill to decode.
 PARAMS_KEY = "kvwatch"
-#: Version of the ``kv_transfer_params["kvwatch"]`` object. 2: seals carry one digest per block.
-WIRE_VERSION = 2
+#: Version of the ``kv_transfer_params["kvwatch"]`` object. 2: seals carry one digest per block;
+#: 3: per block and KV head (``heads``), with the rank's layout signature (``layout``).
+WIRE_VERSION = 3
 
-SealWire = dict[str, Any]  # Seal.to_wire(): {"page_count": n, "digest": d, "pages": [d0, ...]}
+#: One writer rank's seal: ``{"page_count": n, "digest": d, "heads": base64, "layout": {...},
+#: "instance": ...}`` (``heads``: :func:`engine_hooks.heads.pack`), or ``"pages": [d0, ...]``
+#: where the rank's pool does not see its heads.
+SealWire = dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -92,6 +96,9 @@ class KVWatchMetadata(KVConnectorMetadata):
     writes: list[WriteJob] = field(default_factory=list)
     #: Producer requests whose sending finished (``finished_sending``: read, or lease expired).
     sent: list[str] = field(default_factory=list)
+    #: The instance of each request new this step, minted by the scheduler: every TP rank's
+    #: findings on the request name the same one (one incident, exposure counted once).
+    instances: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

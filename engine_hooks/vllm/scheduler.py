@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_hooks.labels import Skip
+from engine_hooks.tickets import new_instance
 from engine_hooks.vllm.blocks import BlockLedger
 from engine_hooks.vllm.metadata import (
     PARAMS_KEY,
@@ -140,12 +141,15 @@ class SchedulerSide:
         self.blocks_of: dict[str, list[int]] = {}
         self.written_upto: dict[str, int] = {}
         self.writes: list[WriteJob] = []
+        #: The instances minted since the last step (see KVWatchMetadata.instances).
+        self.new_instances: dict[str, str] = {}
 
     # -- requests -------------------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params or {}
         rid = request.request_id
+        self.new_instances[rid] = new_instance()
         wire = params.get(PARAMS_KEY)
         if params.get("do_remote_decode"):
             self.producers[rid] = _Producer(int(request.num_prompt_tokens))
@@ -156,10 +160,10 @@ class SchedulerSide:
             if isinstance(wire, dict) and isinstance(wire.get("seals"), dict):
                 consumer.seals = {str(k): dict(v) for k, v in wire["seals"].items()}
                 consumer.sealed_blocks = int(wire.get("blocks", 0))
+                # Any TP width on either side: each reader rank recombines the heads it holds
+                # from the writer ranks' per-head seals (worker.py).
                 if wire.get("v") != WIRE_VERSION:
                     consumer.reason = Skip.OTHER  # a prefill kvwatch of another wire version
-                elif wire.get("tp") != self.tp_size:
-                    consumer.reason = Skip.OTHER  # each rank sealed its own shard of the heads
                 elif wire.get("block_size") != self.block_size:
                     consumer.reason = Skip.UNSUPPORTED_LAYOUT
             self.consumers[rid] = consumer
@@ -341,7 +345,9 @@ class SchedulerSide:
             release=self.release,
             writes=self.writes,
             sent=self.sent,
+            instances=self.new_instances,
         )
+        self.new_instances = {}
         self.sent = []
         self.seal_jobs, self.reserve_jobs, self.verify, self.release = [], [], [], []
         self.writes = []

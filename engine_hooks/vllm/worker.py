@@ -29,10 +29,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine_hooks import KVWatch, PagedKVPool, Seal, Ticket, Verdict
+from engine_hooks import KVWatch, PagedKVPool, Seal, Ticket, Verdict, page_digests_digest
+from engine_hooks.heads import HeadedPool, pack, unpack
 from engine_hooks.labels import Detector, Skip
 from engine_hooks.takers import DEFAULT_FREED_WATCH_S
 from engine_hooks.tickets import new_instance
+from engine_hooks.vllm.layout import SIGNATURE_FIELDS
 from engine_hooks.vllm.lease import LeaseWatch
 from engine_hooks.vllm.metadata import KVWatchMetadata, KVWatchWorkerMetadata, ReserveJob, VerifyJob
 
@@ -43,13 +45,27 @@ class _Pending:
     job: ReserveJob
 
 
+#: Transports that copy a block's bytes as they lie in memory (NIXL reads remote blocks, or head
+#: slices of them): a reader whose memory layout differs reads those bytes wrongly. A transport
+#: that saves and loads logical tensors (shared storage) converts between layouts.
+RAW_TRANSPORTS = frozenset({"nixl"})
+
+
 class WorkerSide:
     def __init__(
-        self, watch: KVWatch, pool: PagedKVPool, rank: int, resolve_interval: float = 1.0
+        self,
+        watch: KVWatch,
+        pool: PagedKVPool,
+        rank: int,
+        resolve_interval: float = 1.0,
+        signature: dict[str, int | str] | None = None,
     ) -> None:
         self.watch = watch
         self.pool = pool
         self.rank = str(rank)
+        #: What this rank's pages mean (layout.signature), sealed with them and checked against
+        #: the writer's before a load is read; None where the pool does not see its heads.
+        self.signature = signature if isinstance(pool, HeadedPool) else None
         # On an accelerator the free-canary and tag checks stay on the device until read; reading
         # them waits for the stream, so that happens at most once per interval, never per step.
         self.resolve_interval = 0.0 if pool.is_cpu else resolve_interval
@@ -71,6 +87,7 @@ class WorkerSide:
 
     def bind(self, meta: KVWatchMetadata) -> None:
         """Before the forward and every load: block events, reservations, finished loads."""
+        self.instances.update(meta.instances)
         self._resolve()
         for event in meta.events:
             if event.kind == "alloc":
@@ -115,13 +132,13 @@ class WorkerSide:
         count = ticket.page_count if job.blocks is None else min(job.blocks, ticket.page_count)
         # The delivered run of the reservation; the rest of the ticket (its request) as it is.
         ticket = replace(ticket, pages=ticket.pages[:count], tags=ticket.tags[:count])
-        seal = self._seal_for(reserve, count)
+        seal, layout = self._seal_for(reserve, count)
         # NIXL does not carry page tags, so the write is recorded when its completion is seen,
         # for the blocks it really wrote: the tag check then catches a block reallocated
         # between reservation and this read, and a block it did not write keeps its last
         # writer, whom a finding names.
         self.watch.landed(ticket)
-        verdicts = self.watch.verify_admit(ticket, seal, context=self._peer(reserve))
+        verdicts = self.watch.verify_admit(ticket, seal, context=self._peer(reserve), layout=layout)
         self._record(verdicts)
         held = [int(b) for b in ticket.pages]
         for verdict in verdicts:
@@ -132,9 +149,14 @@ class WorkerSide:
     def _peer(self, job: ReserveJob) -> dict[str, int | str]:
         """Who sent the KV: the finding's detail (prefill's instance from this rank's seal)."""
         peer: dict[str, int | str] = dict(job.peer)
-        instance = (job.seals or {}).get(self.rank, {}).get("instance")
-        if isinstance(instance, str) and instance:
-            peer["peer_instance"] = instance[:128]
+        seals = job.seals or {}
+        # Every writer rank names the scheduler's one instance; this rank's seal first (a
+        # writer of another width may have no rank of this number).
+        for wire in (seals.get(self.rank), *seals.values()):
+            instance = wire.get("instance") if isinstance(wire, dict) else None
+            if isinstance(instance, str) and instance:
+                peer["peer_instance"] = instance[:128]
+                break
         return peer
 
     def watch_lease_expiry(self, window_s: float = DEFAULT_FREED_WATCH_S) -> None:
@@ -151,27 +173,83 @@ class WorkerSide:
             instance = self.instances[request_id] = new_instance()
         return instance
 
-    def _seal_for(self, job: ReserveJob, count: int) -> Seal | None:
-        """The seal of the blocks the transport delivered: the sealed blocks from decode's own
-        prefix hits on, as many as were loaded."""
+    def _seal_for(self, job: ReserveJob, count: int) -> tuple[Seal | None, dict[str, int | str]]:
+        """The seal of the blocks the transport delivered (the sealed blocks from decode's own
+        prefix hits on, as many as were loaded), and what of the writer's layout differs from
+        this rank's (a ``layout_mismatch`` when not empty)."""
         if job.reason:
             if job.reason != Skip.NO_SEAL:  # verify_admit counts no_seal itself
                 self.watch.skip(Detector.CHECKSUM, Skip(job.reason))
-            return None
+            return None, {}
+        if self.signature is not None:
+            seal, layout = self._head_seal(job)
+        else:
+            seal, layout = self._rank_seal(job), {}
+        if seal is None:
+            return None, layout
+        if job.block_ids and count == len(job.block_ids):
+            # Everything reserved was loaded: the seal must end where the reservation ends, so
+            # a block count that differs is a finding, not a shorter check.
+            return seal.run(job.local_hits, seal.page_count), {}
+        return seal.run(job.local_hits, count), {}
+
+    def _rank_seal(self, job: ReserveJob) -> Seal | None:
+        """A pool that does not see its heads: the writer rank of this number's whole pages."""
         wire = (job.seals or {}).get(self.rank)
-        if wire is None:
-            self.watch.skip(Detector.CHECKSUM, Skip.OTHER)  # no seal from this rank's peer
+        if wire is None or "pages" not in wire:
+            self.watch.skip(Detector.CHECKSUM, Skip.OTHER)  # no page seal from this rank's peer
             return None
         if wire.get("page_bytes") != self.pool.page_bytes:
             # Prefill's pages are laid out or typed differently: its digest cannot match.
             self.watch.skip(Detector.CHECKSUM, Skip.UNSUPPORTED_LAYOUT)
             return None
-        seal = Seal.from_wire(wire)
-        if job.block_ids and count == len(job.block_ids):
-            # Everything reserved was loaded: the seal must end where the reservation ends, so
-            # a block count that differs is a finding, not a shorter check.
-            return seal.run(job.local_hits, seal.page_count)
-        return seal.run(job.local_hits, count)
+        return Seal.from_wire(wire)
+
+    def _head_seal(self, job: ReserveJob) -> tuple[Seal | None, dict[str, int | str]]:
+        """This rank's page seal recombined from the writer ranks' per-head seals: for each
+        block, the digest of the heads this rank holds, in head order (heads.py)."""
+        assert self.signature is not None and isinstance(self.pool, HeadedPool)
+        mine, fields = self.signature, SIGNATURE_FIELDS
+        if job.peer.get("transport") in RAW_TRANSPORTS:
+            fields = (*fields, "layout")
+        held: dict[int, tuple[list[list[int]], int]] = {}  # global head -> (rows, column)
+        residue: set[tuple[str, str]] = set()
+        for rank, wire in sorted((job.seals or {}).items()):
+            layout = wire.get("layout")
+            if not isinstance(layout, dict) or not isinstance(wire.get("heads"), str):
+                # A writer rank whose pool does not see its heads: nothing to recombine.
+                self.watch.skip(Detector.CHECKSUM, Skip.UNSUPPORTED_LAYOUT)
+                return None, {}
+            differ = [f for f in fields if layout.get(f) != mine[f]]
+            if differ:
+                first = differ[0]
+                return None, {
+                    "field": first,
+                    "sealed": str(layout.get(first))[:64],
+                    "read": str(mine[first])[:64],
+                    "fields": ",".join(differ),
+                    "writer_rank": str(rank)[:16],
+                }
+            start, heads = int(layout.get("head_start", 0)), int(layout.get("head_count", 0))
+            rows = unpack(wire["heads"], int(wire.get("page_count", -1)), heads)
+            if rows is None:
+                self.watch.skip(Detector.CHECKSUM, Skip.OTHER)  # a malformed seal
+                return None, {}
+            for column in range(heads):
+                held.setdefault(start + column, (rows, column))
+            residue.update(Seal.from_wire(wire).residue)
+        first_head = self.pool.head_start
+        need = range(first_head, first_head + self.pool.head_count)
+        if any(h not in held for h in need):
+            # No writer rank sealed a head this rank holds (a writer without kvwatch on some
+            # rank, or its seal lost): this rank cannot check the load.
+            self.watch.skip(Detector.CHECKSUM, Skip.NO_SEAL)
+            return None, {}
+        count = min(len(held[h][0]) for h in need)
+        pages = tuple(
+            page_digests_digest([held[h][0][i][held[h][1]] for h in need]) for i in range(count)
+        )
+        return Seal(count, page_digests_digest(pages), pages, tuple(sorted(residue))), {}
 
     def save(self) -> None:
         """After the forward: verify this step's synchronous loads, seal completed prompts."""
@@ -184,13 +262,23 @@ class WorkerSide:
             if seal is not None:
                 # The instance: decode's findings name it as their peer's (see lease.py).
                 instance = self.instance_of(rid)
-                wire = seal.to_wire() | {"page_bytes": self.pool.page_bytes, "instance": instance}
-                self.seals.setdefault(rid, {})[self.rank] = wire
+                self.seals.setdefault(rid, {})[self.rank] = self._wire(seal) | {
+                    "instance": instance
+                }
                 self.lease.sealed(rid, instance, block_ids)
         self._resolve()
 
     def _seal(self, block_ids: list[int]) -> Seal | None:
         return self.watch.seal_pages(block_ids)
+
+    def _wire(self, seal: Seal) -> dict[str, object]:
+        """Per block and KV head with the layout signature where the pool sees its heads (any
+        reader width recombines it), else per block with the page size (the same width only)."""
+        wire = seal.to_wire()
+        if seal.heads and self.signature is not None:
+            del wire["pages"]
+            return wire | {"heads": pack(seal.heads), "layout": dict(self.signature)}
+        return wire | {"page_bytes": self.pool.page_bytes}
 
     def _resolve(self) -> None:
         now = time.monotonic()

@@ -20,6 +20,7 @@ recomputes a token in a different batch shape.
 
 from __future__ import annotations
 
+import copy
 import json
 import zlib
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from transformers import LlamaConfig
 from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
@@ -56,6 +58,7 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from engine_hooks.heads import head_range
 from engine_hooks.vllm import KVWatchConnector
 from engine_hooks.vllm.worker import WorkerSide
 
@@ -84,12 +87,18 @@ def tiny_model(directory: Path) -> str:
     return str(directory)
 
 
+KV_HEADS = 2  # tiny_model's num_key_value_heads
+
+
 def kv_cache_config(
-    layout: KVCacheLayout = KVCacheLayout.LBHNC, num_blocks: int = NUM_BLOCKS
+    layout: KVCacheLayout = KVCacheLayout.LBHNC,
+    num_blocks: int = NUM_BLOCKS,
+    tp: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> KVCacheConfig:
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.bfloat16
-    )
+    """One TP rank's cache: its share of the KV heads (vLLM's sharding, heads.head_range)."""
+    _, heads = head_range(0, tp, KV_HEADS)
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=8, dtype=dtype)
     # vLLM's own placement of L layers x B blocks in one backing buffer for this layout.
     strides = compute_layout_strides(spec, num_blocks, LAYERS, layout)
     tensor = KVCacheTensor(
@@ -168,23 +177,70 @@ class _Layer:
 
 
 @maybe_transfer_kv_layer
-def _attention(layer_name: str, node: Node, writes: list[tuple[int, int, int, bool]]) -> None:
-    """One attention layer's KV writes: ``(block, offset, key, recomputed)`` per token."""
-    view = node.kv[layer_name]
+def _attention(layer_name: str, rank: Rank, writes: list[tuple[int, int, int, bool]]) -> None:
+    """One attention layer's KV writes on one TP rank: ``(block, offset, key, recomputed)`` per
+    token. A value is a function of the token prefix and its global head, so every TP width
+    writes the same KV for the same head."""
+    view = rank.kv[layer_name]
     salt = NAMES.index(layer_name) + 1
     for block, offset, key, recomputed in writes:
         slot = view[block, :, offset]
-        values = (torch.arange(slot.numel()) * salt + key % 9973) % 251
+        cells = torch.arange(slot.numel()) + rank.head_start * slot.shape[-1]
+        values = (cells * salt + key % 9973) % 251
         slot.copy_((values.to(torch.float32) / 16.0).reshape(slot.shape))
-        if recomputed and node.recompute_differs:
+        if recomputed and rank.node.recompute_differs:
             # The last bit of a value differs, as a GPU's recompute in another batch can.
             first = slot.reshape(-1)[:1]  # a view: the first element is contiguous on its own
             first.view(torch.int16).bitwise_xor_(1)
 
 
 @dataclass
+class Rank:
+    """One TP rank's worker: its connector, its KV views (its heads) and its V2 runner."""
+
+    node: Node
+    index: int
+    config: VllmConfig
+    kcc: KVCacheConfig
+    worker: Any = None
+    kv: dict[str, torch.Tensor] = field(default_factory=dict)
+    head_start: int = 0
+    v2: Any = None
+
+    def __post_init__(self) -> None:
+        self.head_start, _ = head_range(self.index, self.node.tp, KV_HEADS)
+        self.worker = KVConnectorFactory.create_connector(
+            self.config, KVConnectorRole.WORKER, self.kcc
+        )
+        self.kv = allocate_kv_cache(self.kcc, torch.device("cpu"), self.node.layout)
+        layers = self.config.compilation_config.static_forward_context
+        for name in NAMES:
+            layers[name] = _Layer(self.kv[name])
+        with self.active_connector():
+            if self.node.runner == "v2":
+                self.v2 = ActiveKVConnector(self.config, self.kv)
+            else:  # the V1 runner registers the caches itself
+                self.worker.register_kv_caches(self.kv)
+
+    def child(self) -> KVWatchConnector:
+        return next(c for c in self.worker.sub_connectors if isinstance(c, KVWatchConnector))
+
+    @contextmanager
+    def active_connector(self) -> Iterator[None]:
+        """This rank's worker connector as the process's KV transfer group (one per worker
+        process in vLLM; every engine's ranks share this process)."""
+        saved = kv_transfer_state._KV_CONNECTOR_AGENT
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        try:
+            yield
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = saved
+
+
+@dataclass
 class Node:
-    """One engine: the real Scheduler, and its worker side stepped by vLLM's runner code."""
+    """One engine: the real Scheduler, and its worker side stepped by vLLM's runner code, on
+    ``tp`` ranks whose outputs vLLM's ``KVOutputAggregator`` merges as its executor does."""
 
     role: str  # kv_producer | kv_consumer
     spool: str
@@ -203,6 +259,8 @@ class Node:
     kvwatch_extra: dict[str, Any] = field(default_factory=dict)  # more of its extra config
     finished: dict[str, Any] = field(default_factory=dict)  # rid -> final EngineCoreOutput
     preempted: int = 0  # requests vLLM's scheduler preempted
+    tp: int = 1  # tensor-parallel ranks
+    dtype: torch.dtype = torch.bfloat16  # the KV cache's dtype
 
     def __post_init__(self) -> None:
         self.name = self.name or self.role
@@ -214,10 +272,8 @@ class Node:
         ]
         if not self.kvwatch_first:
             children.reverse()
-        self.config = vllm_config(
-            children, self.role, self.model, self.num_blocks, policy=self.policy
-        )
-        self.kcc = kv_cache_config(self.layout, self.num_blocks)
+        self.config = self._config(children, rank=0)
+        self.kcc = kv_cache_config(self.layout, self.num_blocks, self.tp, self.dtype)
         self.scheduler = Scheduler(
             self.config, self.kcc, StructuredOutputManager(self.config), BLOCK_SIZE
         )
@@ -225,18 +281,24 @@ class Node:
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
-        self.worker = KVConnectorFactory.create_connector(
-            self.config, KVConnectorRole.WORKER, self.kcc
+        self.ranks = [
+            Rank(self, r, self.config if r == 0 else self._config(children, r), self.kcc)
+            for r in range(self.tp)
+        ]
+        self.worker = self.ranks[0].worker
+        self.kv = self.ranks[0].kv
+        self.v2 = self.ranks[0].v2
+        # The executor's aggregator: a transfer is finished when every rank has reported it.
+        self.aggregator = KVOutputAggregator(self.tp)
+
+    def _config(self, children: list[dict[str, Any]], rank: int) -> VllmConfig:
+        config = vllm_config(
+            copy.deepcopy(children), self.role, self.model, self.num_blocks, policy=self.policy
         )
-        self.kv = allocate_kv_cache(self.kcc, torch.device("cpu"), self.layout)
-        layers = self.config.compilation_config.static_forward_context
-        for name in NAMES:
-            layers[name] = _Layer(self.kv[name])
-        with self.active_connector():
-            if self.runner == "v2":
-                self.v2 = ActiveKVConnector(self.config, self.kv)
-            else:  # the V1 runner registers the caches itself
-                self.worker.register_kv_caches(self.kv)
+        # A worker's TP rank (the connector falls back to it outside torch.distributed).
+        config.parallel_config.tensor_parallel_size = self.tp
+        config.parallel_config.rank = rank
+        return config
 
     # -- access ---------------------------------------------------------------------------------
     def child(self, side: str) -> Any:
@@ -245,28 +307,23 @@ class Node:
 
     @property
     def kvwatch(self) -> WorkerSide:
-        worker = self.child("worker").worker
+        return self.rank_side(0)
+
+    def rank_side(self, rank: int) -> WorkerSide:
+        worker = self.ranks[rank].child().worker
         assert isinstance(worker, WorkerSide)
         return worker
 
     def stat(self, *key: str) -> float:
-        watch = self.child("worker").watch
-        return float(watch.counter(*key))
+        """A worker counter summed over the ranks (as the daemon sums producers)."""
+        return float(sum(r.child().watch.counter(*key) for r in self.ranks))
 
     def blocks(self, rid: str) -> list[int]:
         (ids,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
         return list(ids)
 
-    @contextmanager
-    def active_connector(self) -> Iterator[None]:
-        """This engine's worker connector as the process's KV transfer group (one per worker
-        process in vLLM; two engines share this process)."""
-        saved = kv_transfer_state._KV_CONNECTOR_AGENT
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
-        try:
-            yield
-        finally:
-            kv_transfer_state._KV_CONNECTOR_AGENT = saved
+    def active_connector(self) -> Any:
+        return self.ranks[0].active_connector()
 
     # -- requests -------------------------------------------------------------------------------
     def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> None:
@@ -285,12 +342,17 @@ class Node:
         Returns this step's outputs by request id."""
         with self.active_connector():
             out = self.scheduler.schedule()
-            self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
-            plan, sampled = self._plan(out)
-            if self.runner == "v2":
-                result = self._step_v2(out, plan, sampled)
-            else:
-                result = self._step_v1(out, plan, sampled)
+        self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
+        plan, sampled = self._plan(out)
+        results = []
+        for rank in self.ranks:  # each worker runs the same SchedulerOutput
+            with rank.active_connector():
+                if self.runner == "v2":
+                    results.append(self._step_v2(rank, out, plan, sampled))
+                else:
+                    results.append(self._step_v1(rank, out, plan, sampled))
+        result = self.aggregator.aggregate(results) if self.tp > 1 else results[0]
+        with self.active_connector():
             engine_outputs = self.scheduler.update_from_output(out, result)
         outputs = {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
         for rid, output in outputs.items():
@@ -299,27 +361,35 @@ class Node:
         return outputs
 
     def _step_v1(
-        self, out: SchedulerOutput, plan: dict[str, list[Any]], sampled: dict[str, list[int]]
+        self,
+        rank: Rank,
+        out: SchedulerOutput,
+        plan: dict[str, list[Any]],
+        sampled: dict[str, list[int]],
     ) -> ModelRunnerOutput:
         if not out.total_num_scheduled_tokens:
-            return KVConnectorModelRunnerMixin.kv_connector_no_forward(out, self.config)
+            return KVConnectorModelRunnerMixin.kv_connector_no_forward(out, rank.config)
         with (
-            set_forward_context(self._attn_metadata(), self.config, slot_mapping={}),
+            set_forward_context(self._attn_metadata(), rank.config, slot_mapping={}),
             KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(out) as kv_output,
         ):
-            self.forward(plan)
+            self.forward(rank, plan)
         return self._output(out, sampled, kv_output)
 
     def _step_v2(
-        self, out: SchedulerOutput, plan: dict[str, list[Any]], sampled: dict[str, list[int]]
+        self,
+        rank: Rank,
+        out: SchedulerOutput,
+        plan: dict[str, list[Any]],
+        sampled: dict[str, list[int]],
     ) -> ModelRunnerOutput:
         if not out.total_num_scheduled_tokens:
-            return self.v2.no_forward(out)
-        with set_forward_context(self._attn_metadata(), self.config, slot_mapping={}):
-            self.v2.pre_forward(out)
-            self.forward(plan)
-            self.v2.finish_forward()
-            kv_output = self.v2.post_forward(out.finished_req_ids)
+            return rank.v2.no_forward(out)
+        with set_forward_context(self._attn_metadata(), rank.config, slot_mapping={}):
+            rank.v2.pre_forward(out)
+            self.forward(rank, plan)
+            rank.v2.finish_forward()
+            kv_output = rank.v2.post_forward(out.finished_req_ids)
         return self._output(out, sampled, kv_output)
 
     def _attn_metadata(self) -> dict[str, Any]:
@@ -358,9 +428,9 @@ class Node:
                 sampled[rid] = [key % VOCAB]
         return {name: writes for name in NAMES}, sampled
 
-    def forward(self, plan: dict[str, list[Any]]) -> None:
+    def forward(self, rank: Rank, plan: dict[str, list[Any]]) -> None:
         for name in NAMES:
-            _attention(name, self, plan[name])
+            _attention(name, rank, plan[name])
 
 
 def proxy(params: dict[str, Any] | None) -> dict[str, Any]:

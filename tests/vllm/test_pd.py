@@ -21,6 +21,7 @@ from harness import RUNNERS, TRANSPORTS, Pair, pair
 from transport import LINKS
 from vllm.v1.engine import FinishReason
 
+from engine_hooks.heads import pack, unpack
 from engine_hooks.testing import read_spool
 
 PROMPTS = {
@@ -235,7 +236,9 @@ def test_a_shorter_seal_is_a_page_count_finding(async_bed: dict[str, Any]) -> No
     _serve_prefill_only(p, "short", PROMPTS["aligned"])
     params = dict(p.prefill.finished["short"].kv_transfer_params)
     seal = params["kvwatch"]["seals"]["0"]
-    seal["pages"] = seal["pages"][:-1]
+    rows = unpack(seal["heads"], seal["page_count"], seal["layout"]["head_count"])
+    assert rows is not None
+    seal["heads"] = pack(rows[:-1])  # the writer's per-(block, head) seal, one block short
     seal["page_count"] -= 1
     p.decode.add("short", PROMPTS["aligned"], 3, params)
     p.run()

@@ -31,6 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from engine_hooks.heads import head_range
+
 #: NIXL's worker's logger, where its lease expiry is logged (nixl/base_worker.py).
 NIXL_LOGGER = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
 Arrival = Callable[[str, dict[str, torch.Tensor], list[int]], None]
@@ -45,6 +47,11 @@ class Link:
     #: Prefill transfers whose lease a test lets expire unread: as NIXL, the worker logs its
     #: warning and reports them in finished_sending (the scheduler frees their blocks).
     expire: set[str] = field(default_factory=set)
+    #: Per engine its TP width; per (engine, rank) that rank's first KV head; per read
+    #: transfer the writer ranks that have reported it sent (each rank frees it once).
+    tp: dict[str, int] = field(default_factory=dict)
+    head_start: dict[tuple[str, int], int] = field(default_factory=dict)
+    acked: dict[str, set[int]] = field(default_factory=dict)
 
 
 LINKS: dict[str, Link] = {}
@@ -82,6 +89,9 @@ class AsyncTransport(KVConnectorBase_V1, SupportsHMA):
         self.inflight: dict[str, _Load] = {}
         self.holding: set[str] = set()
         self.kv: dict[str, torch.Tensor] = {}
+        parallel = vllm_config.parallel_config
+        self.rank, self.tp = int(parallel.rank), int(parallel.tensor_parallel_size)
+        self.total_heads = int(vllm_config.model_config.get_total_num_kv_heads())
 
     # -- scheduler ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -142,7 +152,37 @@ class AsyncTransport(KVConnectorBase_V1, SupportsHMA):
     # -- worker ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = kv_caches
-        self.link.kv[self.engine] = kv_caches
+        self.link.kv[self._name(self.engine, self.rank)] = kv_caches
+        self.link.tp[self.engine] = self.tp
+        self.link.head_start[(self.engine, self.rank)] = head_range(
+            self.rank, self.tp, self.total_heads
+        )[0]
+
+    @staticmethod
+    def _name(engine: str, rank: int) -> str:
+        return engine if rank == 0 else f"{engine}/{rank}"
+
+    def _copy(self, load: _Load) -> None:
+        """This rank's heads of each block, from the writer rank that holds each head (NIXL's
+        head-slice reads when the two sides' TP widths differ)."""
+        heads = int(next(iter(self.kv.values())).shape[1])
+        mine = self.link.head_start[(self.engine, self.rank)]
+        writer_tp = self.link.tp[load.engine]
+        for column in range(heads):
+            head = mine + column
+            rank = next(
+                r
+                for r in range(writer_tp)
+                if self.link.head_start[(load.engine, r)]
+                <= head
+                < self.link.head_start[(load.engine, r)]
+                + int(next(iter(self.link.kv[self._name(load.engine, r)].values())).shape[1])
+            )
+            source = self.link.kv[self._name(load.engine, rank)]
+            theirs = head - self.link.head_start[(load.engine, rank)]
+            for name, view in self.kv.items():
+                for s, d in zip(load.remote, load.local, strict=True):
+                    view[d, column].copy_(source[name][s, theirs])
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -168,11 +208,11 @@ class AsyncTransport(KVConnectorBase_V1, SupportsHMA):
             if load.age <= self.link.delay:
                 continue
             del self.inflight[rid]
-            source = self.link.kv[load.engine]
-            for name, view in self.kv.items():
-                for s, d in zip(load.remote, load.local, strict=True):
-                    view[d].copy_(source[name][s])
-            hook = self.link.on_arrival.pop(rid, None)
+            self._copy(load)
+            # A test's damage: to rank 0's shard (``rid``) or one rank's (``rid@rank``).
+            hook = self.link.on_arrival.pop(f"{rid}@{self.rank}", None)
+            if hook is None and self.rank == 0:
+                hook = self.link.on_arrival.pop(rid, None)
             if hook is not None:
                 hook(rid, self.kv, load.local)
             self.link.read.add(rid)
@@ -188,5 +228,10 @@ class AsyncTransport(KVConnectorBase_V1, SupportsHMA):
             )
         sending = {rid for rid in self.holding if rid in self.link.read}
         self.holding -= sending
-        self.link.read -= sending
+        for rid in sending:  # read: gone from the link once every writer rank has seen it
+            acked = self.link.acked.setdefault(rid, set())
+            acked.add(self.rank)
+            if len(acked) >= self.tp:
+                self.link.read.discard(rid)
+                del self.link.acked[rid]
         return sending or None, recving or None
