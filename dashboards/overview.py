@@ -32,12 +32,11 @@ TOP_NODES = 10
 TITLE = "kvwatch / Overview"
 
 
-def _coverage(by: str) -> str:
-    """Verified over verified + skipped requests in the time range, summed by ``by``."""
-    verified = f"sum by ({by}) (increase({exposed('verifications')}{{{NODE_ROLE}}}[$__range]))"
-    skipped = (
-        f"sum by ({by}) (increase({exposed('verifications_skipped')}{{{NODE_ROLE}}}[$__range]))"
-    )
+def _coverage(by: str, family: str = "verifications") -> str:
+    """Verified over verified + skipped requests in the time range, summed by ``by``, from the
+    summed families or (``rank_verifications``) the per-rank ones."""
+    verified = f"sum by ({by}) (increase({exposed(family)}{{{NODE_ROLE}}}[$__range]))"
+    skipped = f"sum by ({by}) (increase({exposed(family + '_skipped')}{{{NODE_ROLE}}}[$__range]))"
     return f"{verified}\n/ (\n  {verified}\n  + {skipped}\n)"
 
 
@@ -284,6 +283,25 @@ def build() -> dash.Dashboard:
             [instant_table_query(_coverage("node, role, detector"))],
             rename={"Value": "verified"},
             width=8,
+        ).unit("percentunit")
+    )
+
+    board = board.with_panel(
+        table_panel(
+            ids,
+            "Coverage per engine rank",
+            "Share of the requests that reached a detector which each tensor-parallel rank "
+            "verified, lowest first: a rank below its engine's other ranks reads its KV unchecked "
+            "(its counters summed with theirs look covered; kvwatch status says which rank).",
+            [
+                instant_table_query(
+                    "sort(\n"
+                    + _coverage("node, role, engine, model, rank, detector", "rank_verifications")
+                    + "\n)"
+                )
+            ],
+            rename={"Value": "verified"},
+            width=24,
         ).unit("percentunit")
     )
 

@@ -324,6 +324,20 @@ DAEMON_FAMILIES: Final = (
     ),
     Family("kvwatch_unsafe_band_tokens", "gauge", UNSAFE_BAND_HELP, ENGINE_LABELS),
     Family(
+        "kvwatch_rank_verifications",
+        "counter",
+        "Requests a hooked detector verified, per live engine rank (its processes' hooks summed):"
+        " a rank whose checks do not run shows beside the ranks whose checks do.",
+        (*ENGINE_LABELS, "detector"),
+    ),
+    Family(
+        "kvwatch_rank_verifications_skipped",
+        "counter",
+        "Requests a hooked detector did not verify, per live engine rank, every reason but"
+        " mode_off (kvwatch_verifications_skipped_total says which).",
+        (*ENGINE_LABELS, "detector"),
+    ),
+    Family(
         "kvwatch_incidents",
         "counter",
         "Detection events committed to the journal (one per affected request and finding).",

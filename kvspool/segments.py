@@ -27,11 +27,21 @@ class SpoolContents:
             if r["type"] == "event" and all(r.get(k) == v for k, v in match.items())
         ]
 
-    def latest_counters(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-        """Each producer's last snapshot, summed over producers: {name: {labels: value}}."""
+    def ranks(self) -> dict[str, int]:
+        """Each producer's TP rank, from its hello."""
+        return {r["producer"]: int(r["rank"]) for r in self.records if r["type"] == "hello"}
+
+    def latest_counters(
+        self, rank: int | None = None
+    ) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        """Each producer's last snapshot, summed over producers (those of TP ``rank`` when
+        given): {name: {labels: value}}."""
+        ranks = self.ranks() if rank is not None else {}
         last: dict[str, dict[str, Any]] = {}
         for record in self.records:
-            if record["type"] == "counters":
+            if record["type"] == "counters" and (
+                rank is None or ranks.get(record["producer"]) == rank
+            ):
                 last[record["producer"]] = record
         out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
         for record in last.values():

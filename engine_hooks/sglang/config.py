@@ -33,6 +33,11 @@ class Settings:
     def off(self) -> bool:
         return self.mode is Mode.OFF and all(m is Mode.OFF for m in self.detector_modes.values())
 
+    @property
+    def enforcing(self) -> bool:
+        """Some detector fails requests (the TP ranks then agree on each: consensus.py)."""
+        return Mode.ENFORCE in (self.mode, *self.detector_modes.values())
+
     def modes(self) -> dict[str, Mode | str]:
         out: dict[str, Mode | str] = {"default": self.mode}
         out.update(self.detector_modes)

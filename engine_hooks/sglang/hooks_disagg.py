@@ -39,7 +39,7 @@ import torch
 from engine_hooks import Mode, Verdict
 from engine_hooks.labels import Detector, Hook, Skip
 from engine_hooks.sglang.drain import DrainWatch
-from engine_hooks.sglang.guard import safe
+from engine_hooks.sglang.guard import failed, safe
 from engine_hooks.sglang.report import log_verdicts
 from engine_hooks.sglang.runtime import Held, runtime
 from engine_hooks.watch import KVWatch, Ticket
@@ -242,8 +242,11 @@ def decode_pages(batch: Any, tickets: dict[int, Held], drain: DrainWatch) -> Non
 
 
 def _enforce(req: Any, verdicts: list[Verdict]) -> None:
-    if not any(v.blocks for v in verdicts):
-        return
+    if any(v.blocks for v in verdicts):
+        _fail(req)
+
+
+def _fail(req: Any) -> None:
     finish_abort = importlib.import_module("sglang.srt.managers.schedule_batch").FINISH_ABORT
     # As SGLang's own grammar failure in process_prebuilt: the batch result path releases it.
     req.to_finish = finish_abort(
@@ -253,12 +256,26 @@ def _enforce(req: Any, verdicts: list[Verdict]) -> None:
 
 @safe(Hook.VERIFY)
 def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
-    """Decode admits the transferred requests: verify their pages before anything reads them."""
+    """Decode admits the transferred requests: verify their pages before anything reads them,
+    then agree with the other TP ranks on which fail (consensus.py): each rank's checks are
+    guarded one by one, so the collective runs on every rank whatever they did."""
     rt = runtime()
-    for req in list(batch.reqs):
+    reqs = list(batch.reqs)
+    failed = [_verify_admitted(rt, req) for req in reqs]
+    if not rt.consensus.active or not rt.settings.enforcing:
+        return
+    for req, mine, anyone in zip(reqs, failed, rt.consensus.agree(failed), strict=True):
+        if anyone and not mine:
+            _fail(req)  # another rank's shard failed its check: the request fails here too
+
+
+def _verify_admitted(rt: Any, req: Any) -> bool:
+    """Verify one admitted request on this rank; whether enforce fails it. Never raises: a
+    failure is a counted hook error (the batch's collective must still run)."""
+    try:
         held = rt.ticket(req)
         if held is None:
-            continue
+            return False
         watch, ticket = held.watch, held.ticket
         # The transfer completed: record which pages it wrote (the last writer of a page it
         # did not write stays that page's source).
@@ -268,10 +285,14 @@ def before_process_prebuilt(batch: Any, *args: Any, **kwargs: Any) -> None:
         deferrable = held.seal is None  # a seal is read where it is verified, once per admit
         if deferrable and on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):
             watch.verify_later(ticket)
-            continue
+            return False
         verdicts = watch.verify_admit(ticket, held.seal)
         log_verdicts(verdicts)
         _enforce(req, verdicts)
+        return any(v.blocks for v in verdicts)
+    except Exception as error:
+        failed(Hook.VERIFY, _verify_admitted, (), error)
+        return False
 
 
 def _follow_row(held: Held, row: Any) -> None:

@@ -21,6 +21,7 @@ from engine_hooks import Seal
 from engine_hooks.labels import Skip
 from engine_hooks.pool import Layout, PagedKVPool
 from engine_hooks.sglang.config import Settings, from_env
+from engine_hooks.sglang.consensus import Consensus
 from engine_hooks.sglang.drain import DrainWatch
 from engine_hooks.spool import SpoolWriter
 from engine_hooks.watch import KVWatch, Ticket, new_instance
@@ -69,6 +70,7 @@ class Runtime:
         self.hook_errors = 0
         #: Aborted transfers released on a timeout, watched for the requests that take them.
         self.drain = DrainWatch(settings.freed_watch_s)
+        self._consensus: Consensus | None = None
         self._lock = threading.Lock()
 
     # -- watches -------------------------------------------------------------------------------
@@ -112,12 +114,27 @@ class Runtime:
 
     # -- request instances and decode tickets --------------------------------------------------
 
+    @property
+    def consensus(self) -> Consensus:
+        """This scheduler's attention-TP group (consensus.py), resolved when a request first
+        needs it: SGLang builds its groups before it admits any request."""
+        if self._consensus is None:
+            self._consensus = Consensus.resolve()
+        return self._consensus
+
     def instance_of(self, req: Any) -> str:
         """The instance id of SGLang's ``Req`` object, minted when the hooks first see it (at a
-        door or at decode's reserve); a retracted request that comes back keeps it."""
+        door or at decode's reserve); a retracted request that comes back keeps it. At TP > 1
+        every rank's plugin names it alike (from the request's bootstrap room, which the router
+        drew for it): the findings of all ranks on one request are one incident."""
         instance = self._instances.get(req)
         if instance is None:
-            instance = self._instances[req] = new_instance()
+            room = getattr(req, "bootstrap_room", None)
+            if self.consensus.active and isinstance(room, int):
+                instance = f"room-{room & (1 << 64) - 1:x}"
+            else:
+                instance = new_instance()
+            self._instances[req] = instance
         return instance
 
     def keep_ticket(self, watch: KVWatch, ticket: Ticket, start: int = 0) -> None:

@@ -277,6 +277,8 @@ class Evaluator:
         for name, summed, into in sources:
             kept = kept_labels(summed)
             for labels, value in samples.get(catalogue.exposed(summed.counter), []):
+                if isinstance(summed, Increase) and not summed.matches(labels):
+                    continue
                 key = (name, tuple(labels[label] for label in kept))
                 into[key] = into.get(key, 0.0) + value
         return out, contexts

@@ -18,7 +18,7 @@ from kvwatch import config as configuration
 from kvwatch.commands.clihelp import add_command, fail
 from kvwatch.commands.common import DETECTORS, KINDS, choice, journal_problem, time_range
 from kvwatch.store import incidents_log
-from kvwatch.store.incident import Finding, Incident, counts, source_key
+from kvwatch.store.incident import Finding, Incident, counts, finding_summary, source_key
 from kvwatch.store.incidents_log import ReadResult, iso
 
 _COLUMNS = (
@@ -53,9 +53,7 @@ def render(incidents: list[Incident], out: TextIO, *, as_json: bool) -> None:
         return
     table: list[tuple[str, ...]] = [_COLUMNS]
     for i in incidents:
-        findings = ", ".join(
-            f"{f['role']} {f['detector']} {f['kind']}" for f in i["findings"][:_SHOWN_FINDINGS]
-        )
+        findings = ", ".join(finding_summary(f) for f in i["findings"][:_SHOWN_FINDINGS])
         if len(i["findings"]) > _SHOWN_FINDINGS:
             findings += f", +{len(i['findings']) - _SHOWN_FINDINGS} more"
         table.append(

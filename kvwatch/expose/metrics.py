@@ -20,7 +20,16 @@ from prometheus_client.registry import Collector
 from kvspool import catalogue
 from kvspool.catalogue import DaemonCounter
 from kvwatch import __version__
-from kvwatch.store.state import MAX_MODELS, MAX_RANKS, MAX_VERSIONS, FirstN, LabelKey, State
+from kvwatch.store.state import (
+    MAX_MODELS,
+    MAX_RANKS,
+    MAX_VERSIONS,
+    FirstN,
+    LabelKey,
+    Producer,
+    State,
+    producer_counter_series,
+)
 
 _ROLE, _ENGINE = catalogue.ROLE.bound, catalogue.ENGINE.bound
 _ENGINE_LABELS: Final = catalogue.ENGINE_LABELS
@@ -187,7 +196,7 @@ class KvwatchCollector(Collector):
         yield posts
 
     def _engine_families(self) -> Iterator[Metric]:
-        latest, info = engine_views(self.state)
+        latest, info, coverage = engine_ranks(self.state)
         for series in catalogue.GAUGE_SERIES:
             metric = GaugeMetricFamily(series.family, series.help, labels=list(_ENGINE_LABELS))
             for labels, gauges in sorted(latest.items()):
@@ -205,6 +214,14 @@ class KvwatchCollector(Collector):
         for row in sorted(info):
             engine_info.add_metric(list(row), 1.0)
         yield engine_info
+        verified = _family("kvwatch_rank_verifications")
+        skipped = _family("kvwatch_rank_verifications_skipped")
+        for key, rows in sorted(coverage.items()):
+            for detector, (done, passed) in sorted(rows.items()):
+                verified.add_metric([*key, detector], done)
+                skipped.add_metric([*key, detector], passed)
+        yield verified
+        yield skipped
 
     def _gpu_families(self, rows: list[tuple[str, int, int, int]]) -> Iterator[Metric]:
         up = self.gpus is not None and self.gpus.up
@@ -219,13 +236,37 @@ class KvwatchCollector(Collector):
 __all__ = ["GpuSource", "KvwatchCollector"]
 
 
+#: Per live engine rank (role, engine, model, rank, "hooks"): per hooked detector, the
+#: requests its processes verified and skipped (every reason but mode_off).
+RankCoverage = dict[LabelKey, dict[str, tuple[float, float]]]
+
+_VERIFIED: Final = catalogue.COUNTER_BY_NAME["verifications"].family
+_SKIPPED: Final = catalogue.COUNTER_BY_NAME["verifications_skipped"].family
+_MODE_OFF: Final = catalogue.SKIP_REASON.check("mode_off")
+
+
 def engine_views(
     state: State,
 ) -> tuple[dict[LabelKey, dict[str, float]], set[tuple[str, str, str, str]]]:
     """The engines' pool/context gauges by (role, engine, model, rank, source), newest producer
     first, and the (engine, version, role, model) rows of ``kvwatch_engine_info``."""
+    latest, info, _ = engine_ranks(state)
+    return latest, info
+
+
+def rank_coverage(state: State) -> RankCoverage:
+    """What each live engine rank's hooked detectors verified and skipped (:data:`RankCoverage`):
+    an engine's ranks side by side, so a rank whose checks do not run is seen."""
+    return engine_ranks(state)[2]
+
+
+def engine_ranks(
+    state: State,
+) -> tuple[dict[LabelKey, dict[str, float]], set[tuple[str, str, str, str]], RankCoverage]:
+    """:func:`engine_views` and :func:`rank_coverage` in one pass (one bounding of labels)."""
     latest: dict[LabelKey, tuple[float, dict[str, float]]] = {}
     info: set[tuple[str, str, str, str]] = set()
+    coverage: RankCoverage = {}
     # The first N values of each unbounded label among what is live now, oldest producer first:
     # a slot taken by a producer that is gone (junk included) is free again.
     models, versions, ranks = FirstN(MAX_MODELS), FirstN(MAX_VERSIONS), FirstN(MAX_RANKS)
@@ -237,10 +278,11 @@ def engine_views(
             engine = _ENGINE(producer.engine)
             model = models(producer.model)
             info.add((engine, versions(producer.engine_version), role, model))
-            if producer.gauges:
-                key: LabelKey = (role, engine, model, ranks(producer.rank), "hooks")
-                if key not in latest or latest[key][0] <= producer.last_ts:
-                    latest[key] = (producer.last_ts, producer.gauges)
+            key: LabelKey = (role, engine, model, ranks(producer.rank), "hooks")
+            newer = key not in latest or latest[key][0] <= producer.last_ts
+            if producer.gauges and newer:
+                latest[key] = (producer.last_ts, producer.gauges)
+            _cover(coverage.setdefault(key, {}), producer)
         for logged in state.logs.values():
             role = _ROLE(logged.role)
             engine = _ENGINE(logged.engine)
@@ -249,4 +291,18 @@ def engine_views(
                 info.add((engine, versions(logged.version), role, model))
             if logged.gauges:
                 latest[(role, engine, model, ranks(logged.rank), "log")] = (0.0, logged.gauges)
-    return {key: gauges for key, (_, gauges) in latest.items()}, info
+    gauges = {key: values for key, (_, values) in latest.items()}
+    return gauges, info, {key: rows for key, rows in coverage.items() if rows}
+
+
+def _cover(rows: dict[str, tuple[float, float]], producer: Producer) -> None:
+    """Add a producer's hooked detectors' verified and skipped requests to its rank's rows."""
+    for family, labels, value in producer_counter_series(producer):
+        detector = labels[0]  # both series' labels start with the detector (the catalogue's)
+        if detector not in catalogue.HOOKED_DETECTORS:
+            continue
+        verified, skipped = rows.get(detector, (0.0, 0.0))
+        if family == _VERIFIED:
+            rows[detector] = (verified + value, skipped)
+        elif family == _SKIPPED and _MODE_OFF not in labels:
+            rows[detector] = (verified, skipped + value)

@@ -26,7 +26,7 @@ from kvwatch.expose.status import (
     summarize,
 )
 from kvwatch.store import incident as incident_model
-from kvwatch.store.incident import Incident
+from kvwatch.store.incident import Incident, finding_summary
 from kvwatch.store.journal import AckRow, Journal, JournalError
 from kvwatch.store.state import State
 
@@ -96,7 +96,7 @@ def _incidents_table(incidents: list[Incident], error: str | None, acks: list[Ac
     rows = []
     for inc in incidents:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(inc["time"]))
-        findings = ", ".join(f"{f['role']} {f['detector']} {f['kind']}" for f in inc["findings"])
+        findings = ", ".join(finding_summary(f) for f in inc["findings"])
         ack = acknowledgement(acks, inc)
         acked = f"by {ack.by} at {time.strftime('%H:%M:%S', time.gmtime(ack.ts))}" if ack else "no"
         cells = (inc["id"], when, inc["node"], inc["role"], inc["engine"], inc["request_id"],

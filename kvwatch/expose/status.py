@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspool.catalogue import COUNTER_BY_NAME, SKIP_REASON, DaemonCounter
-from kvwatch.expose.metrics import engine_views
+from kvwatch.expose.metrics import RankCoverage, engine_views, rank_coverage
 from kvwatch.store import incident as incident_model
 from kvwatch.store.incident import Incident
 from kvwatch.store.journal import AckRow, Journal, JournalError
@@ -389,7 +389,40 @@ def _coverage(state: State, h: Health) -> Check:
             f"detector {', '.join(idle)} verifies nothing: every request is skipped "
             "(kvwatch_verifications_skipped_total says why)",
         )
+    blind = idle_ranks(rank_coverage(state))
+    if blind:
+        return Check(
+            "coverage",
+            "warning",
+            "; ".join(blind[:3])
+            + (f"; +{len(blind) - 3} more" if len(blind) > 3 else "")
+            + " (kvwatch_rank_verifications_skipped_total says where)",
+        )
     return Check("coverage", "ok", f"{h.live_producers} live producer(s), every detector verifies")
+
+
+def idle_ranks(coverage: RankCoverage) -> list[str]:
+    """The engine ranks whose detector skips every request while another rank of the same
+    engine (role, engine, model) verifies with it: a tensor-parallel deployment whose summed
+    counters look covered, one of whose ranks reads its KV unchecked."""
+    #: (role, engine, model, detector) -> (ranks that verify, ranks that only skip)
+    engines: dict[tuple[str, str, str, str], tuple[set[str], set[str]]] = {}
+    for (role, engine, model, rank, _source), rows in coverage.items():
+        for detector, (verified, skipped) in rows.items():
+            doing, idle_only = engines.setdefault((role, engine, model, detector), (set(), set()))
+            if verified:
+                doing.add(rank)
+            elif skipped:
+                idle_only.add(rank)
+    out = []
+    for (role, engine, model, detector), (doing, idle_only) in sorted(engines.items()):
+        if doing and idle_only:
+            idle = ", ".join(sorted(idle_only, key=lambda r: (len(r), r)))
+            out.append(
+                f"{detector} verifies nothing on {role} rank {idle} of {engine} {model or '-'}"
+                " while its other ranks do"
+            )
+    return out
 
 
 def _freshness(h: Health, now: float) -> Check:

@@ -172,6 +172,7 @@ class FindingView(TypedDict):
     id: int | None
     time: float
     role: str
+    rank: int
     producer: str
     seq: int
     instance: str | None
@@ -208,6 +209,9 @@ class Incident(TypedDict):
     instance: str | None
     instances: list[str]
     roles: list[str]
+    #: The tensor-parallel ranks whose findings it holds (every rank's on one request: one
+    #: incident, its exposure counted once).
+    ranks: list[int]
     role: str
     engine: str
     engine_version: str
@@ -380,6 +384,7 @@ def _new_incident(row: Finding) -> Incident:
         "instance": row.instance,
         "instances": [],
         "roles": [],
+        "ranks": [],
         "role": row.role,
         "engine": row.engine,
         "engine_version": row.engine_version,
@@ -400,9 +405,17 @@ def _new_incident(row: Finding) -> Incident:
 
 #: A finding's fields an incident's ``findings`` show (its producer's labels are the incident's).
 _SHOWN_FIELDS: Final = (
-    "id", "time", "role", "producer", "seq", "instance", "detector", "kind", "mode", "action",
+    "id", "time", "role", "rank", "producer", "seq", "instance", "detector", "kind", "mode",
+    "action",
     "pages", "pages_total", "detail", "sources", "other_sources", "other_source_pages",
 )  # fmt: skip
+
+
+def finding_summary(finding: FindingView) -> str:
+    """A finding in one phrase, as the incident lists show it: its role (and its TP rank past
+    rank 0), detector and kind."""
+    rank = f" rank {finding['rank']}" if finding["rank"] else ""
+    return f"{finding['role']}{rank} {finding['detector']} {finding['kind']}"
 
 
 def finding_view(finding: Finding) -> FindingView:
@@ -428,6 +441,8 @@ def _add_finding(
             kept_list.append(value)
     if row["detector"] not in incident["detectors"]:
         incident["detectors"].append(row["detector"])
+    if row["rank"] not in incident["ranks"]:
+        incident["ranks"] = sorted([*incident["ranks"], row["rank"]])
     incident["pages_total"] = max(incident["pages_total"], row["pages_total"])
     if row["kind"] in NOT_READS:  # its request read nothing: it names no reader, no source
         return

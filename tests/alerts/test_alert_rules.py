@@ -87,12 +87,14 @@ def test_alerts_follow_the_mixin_conventions() -> None:
         assert alert.runbook_url == f"{definitions.RUNBOOK_BASE}#{alert.name.lower()}"
         if alert.severity == "critical" and alert.name in {
             "KVIntegrityMismatch",
+            "KVLayoutMismatch",
             "KVAbortedRequestAdmitted",
             "KVSpoolRecordsLost",
         }:
             assert not alert.for_, f"{alert.name} must fire at once"
     required = {
         "KVIntegrityMismatch": "critical",
+        "KVLayoutMismatch": "critical",
         "KVPoolSmallerThanContext": "critical",
         "KVAbortedRequestAdmitted": "critical",
         "KVSpoolRecordsLost": "critical",

@@ -323,7 +323,10 @@ class Bed:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def request(self, rid: str, tokens: Sequence[int], max_new_tokens: int = 8) -> Any:
+    def request(
+        self, rid: str, tokens: Sequence[int], max_new_tokens: int = 8, room: int | None = None
+    ) -> Any:
+        """``room``: the bootstrap room the router drew (every TP rank sees the same one)."""
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -337,7 +340,7 @@ class Bed:
             params,
             bootstrap_host="127.0.0.1",
             bootstrap_port=8998,
-            bootstrap_room=abs(hash((rid, id(tokens)))) % (1 << 62),
+            bootstrap_room=abs(hash((rid, id(tokens)))) % (1 << 62) if room is None else room,
         )
 
     def arrive(self, req: Any) -> bool:

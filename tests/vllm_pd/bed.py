@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The entry point of the bed's test-only vLLM plugin (cpu_shims.py; setup_env.sh writes it).
 PLUGINS = ROOT / "build" / "vllm-pd-site"
 MODEL_NAME = "tiny"
+KV_HEADS = 4  # make_model.py's num_key_value_heads: TP 2 holds two heads per rank
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 START_TIMEOUT_S = 420.0  # three servers starting together on a busy 2-core machine
 # NIXL over UCX/TCP on a loaded 2-core machine stalled now and then: a worker blocked 170 s in a
@@ -90,11 +91,15 @@ def transport_child(
             "kv_buffer_device": "cpu",
             "kv_connector_extra_config": {"kv_lease_duration": lease_s},
         }
-    return {
+    child: dict[str, Any] = {
         "kv_connector": "ExampleConnector",
         "kv_role": role,
         "kv_connector_extra_config": {"shared_storage_path": str(storage)},
     }
+    if transport == "ranked":  # shared storage with one folder per TP rank (ranked_storage.py)
+        child["kv_connector"] = "RankedExampleConnector"
+        child["kv_connector_module_path"] = "tests.vllm_pd.ranked_storage"
+    return child
 
 
 def transfer_config(
@@ -155,6 +160,7 @@ class Server:
     side_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     args: list[str] = field(default_factory=list)  # more of the server's command line
+    tp: int = 1  # --tensor-parallel-size: one CPU worker per rank
 
     @property
     def url(self) -> str:
@@ -178,7 +184,11 @@ class Server:
             UCX_NET_DEVICES="lo",
             UCX_TLS="tcp,self",
             VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            # One worker per TP rank, each bound to a core of its own ("0|1"): vLLM refuses TP
+            # 2 on one NUMA node without it ("Not enough allowed NUMA nodes").
+            VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % 2) for r in range(self.tp))
+            if self.tp > 1
+            else "nobind",
             OMP_NUM_THREADS="1",
             VLLM_ENABLE_V1_MULTIPROCESSING="1",
             VLLM_NO_USAGE_STATS="1",
@@ -216,6 +226,8 @@ class Server:
         ]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        if self.tp > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp)]
         cmd += self.args
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -359,6 +371,8 @@ class Bed:
     records: Path | None = None
     #: More prefill servers with vLLM's long lease (NIXL: ``prefill-b``, a second clean peer).
     others: list[Server] = field(default_factory=list)
+    #: Prefill's TP width (the stored prompts of ranked shared storage: one folder per rank).
+    prefill_tp: int = 1
 
     def pd(
         self,
@@ -367,21 +381,24 @@ class Bed:
         max_tokens: int,
         corrupt: bool = False,
         prefill: Server | None = None,
+        head: int = 0,
     ) -> Reply:
         """One request through prefill then decode, as vLLM's disaggregation proxy sends it.
 
-        ``corrupt``: one KV byte of the request's first block changes after kvwatch sealed it:
-        in prefill's memory before NIXL reads it (the corrupter child), or in the stored file
-        before decode loads it (shared storage). A clean request that decode fails with no
-        kvwatch finding is a transport failure (NIXL over UCX/TCP on a loaded 2-core machine
-        stalls now and then): retried once, its cause printed, never a finding.
+        ``corrupt``: one KV byte of the request's first block changes after kvwatch sealed it,
+        in KV head ``head`` (at TP > 1: the shard of the rank that holds it): in prefill's
+        memory before NIXL reads it (the corrupter child), or in the stored file of the rank
+        that holds the head before decode loads it (shared storage). A clean request that
+        decode fails with no kvwatch finding is a transport failure (NIXL over UCX/TCP on a
+        loaded 2-core machine stalls now and then): retried once, its cause printed, never a
+        finding.
         """
         decode = self.decode[decode_mode]
         for attempt in (1, 2):
             mark = len(decode.log.read_text(errors="replace").splitlines())
             seen = len(self.spool(decode.name).events())
             try:
-                served = self._pd_once(decode, prompt, max_tokens, corrupt, prefill)
+                served = self._pd_once(decode, prompt, max_tokens, corrupt, prefill, head)
             except TransportTimeoutError as e:
                 if corrupt:
                     raise
@@ -394,18 +411,26 @@ class Bed:
         return served
 
     def _pd_once(
-        self, decode: Server, prompt: str, max_tokens: int, corrupt: bool, prefill: Server | None
+        self,
+        decode: Server,
+        prompt: str,
+        max_tokens: int,
+        corrupt: bool,
+        prefill: Server | None,
+        head: int = 0,
     ) -> Reply:
-        xargs = {FLAG: 1} if corrupt and self.transport == "nixl" else None
+        xargs = {FLAG: head + 1} if corrupt and self.transport == "nixl" else None
         stored = set(self.storage.iterdir())
         sender = prefill or self.prefill
         expired = self.expiries(sender)
         params = self.prefill_half(prompt, xargs, prefill)
-        if corrupt and self.transport == "example":
-            new = set(self.storage.iterdir()) - stored
-            if len(new) != 1:
-                raise AssertionError(f"expected one new stored prompt, found {len(new)}")
-            corrupt_stored(new.pop())
+        if corrupt and self.transport != "nixl":
+            new = sorted(set(self.storage.iterdir()) - stored)
+            if len(new) != self.prefill_tp:
+                raise AssertionError(f"expected {self.prefill_tp} new stored prompt(s): {new}")
+            # The folder of the rank that holds the head (ranked_storage.py names it -tp<rank>).
+            rank = head // max(1, KV_HEADS // self.prefill_tp)
+            corrupt_stored(new[rank] if self.prefill_tp > 1 else new[0])
         served = reply(decode.complete(prompt, max_tokens, params))
         if self.expiries(sender) > expired:
             # Decode then read blocks prefill had freed: a stall past vLLM's long lease.
@@ -570,6 +595,19 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
             args=["--num-gpu-blocks-override", str(LEASE_POOL_BLOCKS)],
         )
         servers.append(lease)
+    with ExitStack() as stack:
+        stack.enter_context(serving(servers))
+        # Side traffic on every server but the lease case's prefill, whose block allocations
+        # its test reads.
+        stack.enter_context(Ticker([s for s in servers if s is not lease]))
+        bed = Bed(transport, prefill, decode, spools, storage, lease, records, others)
+        bed.connect()
+        yield bed
+
+
+@contextmanager
+def serving(servers: list[Server]) -> Iterator[None]:
+    """The servers started together and ready; every process group stopped on exit."""
     assert list(PLUGINS.glob("*.dist-info/entry_points.txt")), "run tests/vllm_pd/setup_env.sh"
     with ExitStack() as stack:
         stack.callback(stop_all, servers)
@@ -578,9 +616,52 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in servers:
             server.wait_ready(deadline)
-        # Side traffic on every server but the lease case's prefill, whose block allocations
-        # its test reads.
-        stack.enter_context(Ticker([s for s in servers if s is not lease]))
-        bed = Bed(transport, prefill, decode, spools, storage, lease, records, others)
+        yield
+
+
+@contextmanager
+def tp_bed(
+    transport: str, model: Path, workdir: Path, prefill_tp: int, decode_tp: int
+) -> Iterator[Bed]:
+    """Prefill at ``prefill_tp`` and decode (log, enforce) at ``decode_tp``, kvwatch beside
+    ``transport`` (``nixl``, or ``ranked`` shared storage) on every rank. No side traffic: each
+    TP worker busy-waits a second after every message it reads (see ``TICK_S``), and these
+    are six to eight workers on two cores."""
+    storage = workdir / "kv-storage"
+    storage.mkdir(parents=True, exist_ok=True)
+    spools = {
+        name: workdir / f"spool-{name}" for name in ("prefill", "decode-log", "decode-enforce")
+    }
+    for path in spools.values():
+        path.mkdir(exist_ok=True)
+    prefill = Server(
+        "prefill",
+        model,
+        workdir,
+        transfer_config(
+            transport, "kv_producer", spools["prefill"], "enforce", storage, True, node="prefill"
+        ),
+        tp=prefill_tp,
+    )
+    decode = {
+        mode: Server(
+            f"decode-{mode}",
+            model,
+            workdir,
+            transfer_config(
+                transport,
+                "kv_consumer",
+                spools[f"decode-{mode}"],
+                mode,
+                storage,
+                False,
+                node=f"decode-{mode}",
+            ),
+            tp=decode_tp,
+        )
+        for mode in ("log", "enforce")
+    }
+    with serving([prefill, *decode.values()]):
+        bed = Bed(transport, prefill, decode, spools, storage, prefill_tp=prefill_tp)
         bed.connect()
         yield bed

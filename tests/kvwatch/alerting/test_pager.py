@@ -53,7 +53,12 @@ RULES = ALERTS / "kvwatch.rules.yml"
 
 def test_the_fast_alerts_are_the_critical_counter_alerts() -> None:
     names = {a.name for a in fast_alerts()}
-    assert names == {"KVIntegrityMismatch", "KVAbortedRequestAdmitted", "KVSpoolRecordsLost"}
+    assert names == {
+        "KVIntegrityMismatch",
+        "KVLayoutMismatch",
+        "KVAbortedRequestAdmitted",
+        "KVSpoolRecordsLost",
+    }
     for alert in fast_alerts():
         assert alert.severity == "critical" and not alert.for_
         assert alert.increase is not None and alert.expr == alert.increase.expr
@@ -276,6 +281,29 @@ def test_fire_resend_quiet_resolve_like_prometheus() -> None:
     assert pager.evaluate(1002 + 300 + after + 60) == [resolved]  # resolved is re-sent
     assert pager.evaluate(1002 + 300 + after + 16 * 60) == []  # ... for 15 minutes
     assert pager.trackers == {}
+
+
+class LayoutCounters(Counters):
+    """A layout mismatch on the same detector: its own alert, never KVIntegrityMismatch's."""
+
+    def collect(self) -> list[Metric]:
+        family = CounterMetricFamily(
+            "kvwatch_mismatches", "help", labels=["detector", "role", "kind"]
+        )
+        family.add_metric(["checksum", "decode", "layout_mismatch"], self.value)
+        family.add_metric(["checksum", "decode", "digest"], 0.0)
+        return [family]
+
+
+def test_a_layout_mismatch_fires_its_own_alert_and_not_the_leak_alert() -> None:
+    counters = LayoutCounters()
+    pager = _pager(counters)
+    assert pager.evaluate(1000.0) == []
+    counters.set(1)
+    [firing] = pager.evaluate(1002.0)
+    assert firing["labels"]["alertname"] == "KVLayoutMismatch"
+    assert firing["labels"]["kind"] == "layout_mismatch"
+    assert "read wrongly" in firing["annotations"]["description"]
 
 
 class ExposingCounters(Counters):

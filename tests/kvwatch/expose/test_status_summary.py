@@ -13,6 +13,10 @@ import time
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwatch.expose.metrics import KvwatchCollector
 from kvwatch.expose.status import STALE_SECONDS, Alarm, AlarmSettings, Summary, alarm
 from kvwatch.expose.status import summarize as summarize_with
 from kvwatch.ingest.spool.reader import SpoolReader
@@ -74,6 +78,56 @@ def test_detector_verifying_nothing(spool: Path, state: State, reader: SpoolRead
     summary = summarize(state, fresh(state))
     assert levels(state, fresh(state))["coverage"] == "warning"
     assert "detector checksum verifies nothing" in summary.headline
+
+
+def test_a_rank_that_verifies_nothing_is_not_covered(
+    spool: Path, state: State, reader: SpoolReader
+) -> None:
+    """Decode at TP 2: rank 0 verifies every transfer, rank 1 skips every one (a writer whose
+    seals its layout cannot read). The summed counters say checksum verifies; the rank's own
+    series and the coverage check say rank 1 does not."""
+    for rank in (0, 1):
+        producer = Producer(spool, f"vllm-decode-r{rank}-10{rank}-aaaa000{rank}", rank=rank)
+        done = 0 if rank else 8
+        skip, why = ("checksum", "other") if rank else ("page_tag", "mode_off")
+        producer.append(
+            producer.hello(),
+            producer.frame(
+                "counters",
+                {
+                    "counters": [
+                        ["verifications", {"detector": "canary"}, 8],
+                        ["verifications", {"detector": "checksum"}, done],
+                        ["verifications_skipped", {"detector": skip, "reason": why}, 8],
+                    ]
+                },
+            ),
+        )
+    reader.poll()
+    summary = summarize(state, fresh(state))
+    assert levels(state, fresh(state))["coverage"] == "warning"
+    assert "checksum verifies nothing on decode rank 1 of sglang glm-5.3" in summary.headline
+    text = render_metrics(state)
+    assert _series(text, "kvwatch_rank_verifications_total", "checksum", "0") == 8.0
+    assert _series(text, "kvwatch_rank_verifications_total", "checksum", "1") == 0.0
+    assert _series(text, "kvwatch_rank_verifications_skipped_total", "checksum", "1") == 8.0
+    # mode_off is a choice, not a gap: rank 0's page tags are not counted as skipped.
+    assert _series(text, "kvwatch_rank_verifications_skipped_total", "page_tag", "0") is None
+
+
+def render_metrics(state: State) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KvwatchCollector(state))
+    return generate_latest(registry).decode()
+
+
+def _series(text: str, name: str, detector: str, rank: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == name and (labels["detector"], labels["rank"]) == (detector, rank):
+                return float(sample.value)
+    return None
 
 
 def test_stale_records_with_a_live_producer(spool: Path, state: State, reader: SpoolReader) -> None:
