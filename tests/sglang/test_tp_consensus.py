@@ -72,7 +72,9 @@ def test_one_ranks_failed_shard_fails_the_request_on_every_rank(tmp_path: Path) 
         assert result["finished"]["next"][0] == "FINISH_LENGTH", rank
     # The finding is the failing rank's alone; the other rank failed it on the verdict.
     assert events(results[0]) == []
-    assert events(results[1]) == [("short-shard", "canary", "unwritten_page", "enforced")]
+    found = events(results[1])
+    assert ("short-shard", "canary", "unwritten_page", "enforced") in found
+    assert {(rid, action) for rid, _, _, action in found} == {("short-shard", "enforced")}
 
 
 def test_log_mode_findings_of_every_rank_name_one_instance(tmp_path: Path) -> None:
@@ -84,7 +86,7 @@ def test_log_mode_findings_of_every_rank_name_one_instance(tmp_path: Path) -> No
     for result in results:
         assert result["finished"]["both-short"][0] == "FINISH_LENGTH"
         spool = read_spool(result["spool"])
-        found = spool.events(request_id="both-short")
-        assert [(e["detector"], e["kind"]) for e in found] == [("canary", "unwritten_page")]
-        instances.add(found[0]["instance"])
+        found = spool.events(request_id="both-short", detector="canary")
+        assert [e["kind"] for e in found] == ["unwritten_page"]
+        instances.update(e["instance"] for e in spool.events(request_id="both-short"))
     assert len(instances) == 1

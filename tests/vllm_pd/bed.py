@@ -82,14 +82,19 @@ def kvwatch_child(
 
 
 def transport_child(
-    transport: str, role: str, storage: Path, lease_s: int = KV_LEASE_S
+    transport: str,
+    role: str,
+    storage: Path,
+    lease_s: int = KV_LEASE_S,
+    nixl_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``nixl_extra``: more of NIXL's extra config (``enforce_handshake_compat``)."""
     if transport == "nixl":
         return {
             "kv_connector": "NixlConnector",
             "kv_role": role,
             "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"kv_lease_duration": lease_s},
+            "kv_connector_extra_config": {"kv_lease_duration": lease_s, **(nixl_extra or {})},
         }
     child: dict[str, Any] = {
         "kv_connector": "ExampleConnector",
@@ -114,6 +119,7 @@ def transfer_config(
     lease_s: int = KV_LEASE_S,
     kvwatch_extra: dict[str, Any] | None = None,
     records: Path | None = None,
+    nixl_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``node``: the name kvwatch gives this server as a peer (every server of the bed runs on
     one host: each gets its own); ``records``: vLLM's block allocations go there."""
@@ -137,7 +143,7 @@ def transfer_config(
                 "kv_role": role,
             }
         )
-    children.append(transport_child(transport, role, storage, lease_s))
+    children.append(transport_child(transport, role, storage, lease_s, nixl_extra))
     config: dict[str, Any] = {
         "kv_connector": "MultiConnector",
         "kv_role": role,

@@ -10,8 +10,8 @@ Two beds, each prefill + decode (log) + decode (enforce), kvwatch on every rank:
   ``test_vllm_shared_storage_mixes_the_ranks_shards``).
 
 NIXL at TP 2 on the prefill side stalls on these 2-core machines with kvwatch and without it
-(``tests/vllm_pd/README.md``): ``KVWATCH_PD_NIXL_PREFILL_TP=2`` runs the NIXL bed at 2 -> 2 where
-it does not.
+(``engine_hooks/vllm/README.md``, "Tensor parallelism"): ``KVWATCH_PD_NIXL_PREFILL_TP=2`` runs
+the NIXL bed at 2 -> 2 where it does not.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def test_golden_metrics_and_promtool(spool: Path, journal: Journal, tmp_path: Pa
 def test_every_known_series_starts_at_zero(journal: Journal) -> None:
     families = {f.name: f for f in text_string_to_metric_families(render(journal.load()))}
     mismatches = families["kvwatch_mismatches"].samples
-    assert len(mismatches) == 7 * 4 * 10  # detectors (with other) x roles x kinds (with other)
+    assert len(mismatches) == 7 * 4 * 11  # detectors (with other) x roles x kinds (with other)
     assert {s.value for s in mismatches} == {0.0}
     rejected = {s.labels["reason"] for s in families["kvwatch_spool_rejected"].samples}
     assert {"crc", "torn", "owner", "schema", "oversize", "sequence"} <= rejected
