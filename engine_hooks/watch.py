@@ -339,13 +339,15 @@ class KVWatch:
         before_read: bool = False,
         context: Mapping[str, int | str] | None = None,
         layout: Mapping[str, int | str] | None = None,
+        skip: Skip | None = None,
     ) -> list[Verdict]:
         """Before decode admits a request and reads its KV: every detector, in one go.
 
         ``layout``: what the adapter found to differ between the seal's layout signature and its
         own pages (non-empty): the checksum's verdict is then a ``layout_mismatch`` with that
         detail, in place of the digest comparison (the bytes would be read wrongly, whatever
-        their digest).
+        their digest). ``skip``: why the adapter could not use the transfer's seal (its writer
+        holds another shard of the heads), counted in place of ``no_seal``.
 
         ``before_read``: the engine calls this before anything reads the pages and fails the
         request when a verdict ``blocks`` (see :func:`_stopped`). ``context``: what the adapter
@@ -365,7 +367,7 @@ class KVWatch:
             verdicts.append(replace(verdict, instance=instance))
         elif self._checksum.active():
             if seal is None:
-                self._stats.skipped(self._checksum.name, Skip.NO_SEAL)
+                self._stats.skipped(self._checksum.name, skip or Skip.NO_SEAL)
             else:
                 verdict = self._checksum.verify(rid, ticket.pages, seal)
                 self._stats.verified(TransferChecksum.name)

@@ -29,9 +29,15 @@ import torch.distributed as dist
 class Consensus:
     """The attention-TP group of this scheduler (None: one rank, nothing to agree)."""
 
-    def __init__(self, group: Any = None, size: int = 1) -> None:
+    def __init__(self, group: Any = None, size: int = 1, rank: int = 0) -> None:
         self.group = group if size > 1 else None
         self.size = size
+        self.rank = rank
+
+    @property
+    def slice(self) -> tuple[int, int]:
+        """This rank's shard of the KV heads, as (group size, rank): what a seal covers."""
+        return (self.size, self.rank) if self.group is not None else (1, 0)
 
     @classmethod
     def resolve(cls) -> Consensus:
@@ -48,7 +54,8 @@ class Consensus:
             except Exception:  # not built in this process (or not this release's name)
                 continue
             size = int(getattr(group, "world_size", 1) or 1)
-            return cls(getattr(group, "cpu_group", None), size)
+            rank = int(getattr(group, "rank_in_group", 0) or 0)
+            return cls(getattr(group, "cpu_group", None), size, rank)
         return cls()
 
     @property

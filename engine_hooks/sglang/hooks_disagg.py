@@ -282,11 +282,11 @@ def _verify_admitted(rt: Any, req: Any) -> bool:
         watch.landed(ticket)
         pool = watch.pool
         on_device = pool is not None and not pool.is_cpu
-        deferrable = held.seal is None  # a seal is read where it is verified, once per admit
+        deferrable = held.seal is None and held.skip is None  # a seal is read where verified
         if deferrable and on_device and all(m is not Mode.ENFORCE for m in watch.modes.values()):
             watch.verify_later(ticket)
             return False
-        verdicts = watch.verify_admit(ticket, held.seal)
+        verdicts = watch.verify_admit(ticket, held.seal, skip=held.skip)
         log_verdicts(verdicts)
         _enforce(req, verdicts)
         return any(v.blocks for v in verdicts)

@@ -6,12 +6,19 @@ with the KV. Its ``bootstrap_room`` row is 8 x 64 bits, of which SGLang uses the
 room, to detect a metadata mix-up). The seal rides in the other seven, as 14 little-endian
 32-bit words, so nothing is added to the wire and no backend changes:
 
-    [2] MAGIC  [3] page count  [4] digest  [5] k  [6 .. 6+k) one digest per page (k <= 10)
+    [2] MAGIC  [3] page count  [4] digest  [5] k  [6] writer's slice  [7 .. 7+k) page digests
 
 ``k`` is the page count when it is at most :data:`MAX_PAGE_DIGESTS` (a finding then names the
 pages that differ), else 0 and the digest is the Adler-32 over all the pages (a finding names
-every page of the transfer). Decode's row is cleared by SGLang before each use, and prefill
-writes all seven words on every last chunk, so a row never carries another request's seal.
+every page of the transfer). The writer's slice is its attention-TP (size << 16 | rank): the
+digests cover that rank's shard of the heads, which a decode rank of another width does not
+hold (SGLang's backends send a prefill rank's head slices to several decode ranks, and the
+metadata row to each). A decode rank whose own slice differs cannot check the seal and counts
+``skipped{checksum, unsupported_layout}`` instead: never a finding (measured over Mooncake at
+prefill TP 1 -> decode TP 2 before this word: every request a false ``digest`` on both decode
+ranks). Rows of the first version (``kvw1``, no slice, up to 10 page digests) still read.
+Decode's row is cleared by SGLang before each use, and prefill writes all seven words on every
+last chunk, so a row never carries another request's seal.
 
 - ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` (BEFORE, last chunk): prefill seals the
   pages it is sending (from the prefix decode promised to the end of the prompt), after the
@@ -30,13 +37,16 @@ from typing import Any
 import numpy as np
 
 from engine_hooks import Seal
-from engine_hooks.labels import Hook
+from engine_hooks.labels import Hook, Skip
 from engine_hooks.sglang.guard import safe
 from engine_hooks.sglang.runtime import runtime
 
-MAGIC = 0x3177766B  # b"kvw1", little-endian
-MAX_PAGE_DIGESTS = 10
+MAGIC_V1 = 0x3177766B  # b"kvw1", little-endian: no writer slice, up to 10 page digests
+MAGIC = 0x3277766B  # b"kvw2"
+MAX_PAGE_DIGESTS = 9
 _FIRST = 2  # 32-bit word index: words 0-1 are SGLang's bootstrap room
+#: A TP group of one, rank 0: what a row without a slice (kvw1) was written by.
+ONE_RANK = (1, 0)
 
 
 def _words(buffers: Any, index: int) -> np.ndarray | None:
@@ -51,22 +61,35 @@ def _words(buffers: Any, index: int) -> np.ndarray | None:
     return words
 
 
-def encode(words: np.ndarray, seal: Seal | None) -> None:
+def encode(words: np.ndarray, seal: Seal | None, writer: tuple[int, int] = ONE_RANK) -> None:
+    """``writer``: the sealing rank's attention-TP (size, rank)."""
     words[_FIRST:] = 0
     if seal is None:
         return
     k = len(seal.pages) if 0 < len(seal.pages) <= MAX_PAGE_DIGESTS else 0
-    words[_FIRST : _FIRST + 4] = (MAGIC, seal.page_count, seal.digest, k)
+    size, rank = writer
+    slice_word = (size & 0xFFFF) << 16 | rank & 0xFFFF
+    words[_FIRST : _FIRST + 5] = (MAGIC, seal.page_count, seal.digest, k, slice_word)
     if k:
-        words[_FIRST + 4 : _FIRST + 4 + k] = seal.pages
+        words[_FIRST + 5 : _FIRST + 5 + k] = seal.pages
 
 
 def decode(words: np.ndarray) -> Seal | None:
+    sealed = decode_with_writer(words)
+    return None if sealed is None else sealed[0]
+
+
+def decode_with_writer(words: np.ndarray) -> tuple[Seal, tuple[int, int]] | None:
+    """The seal and its writer's attention-TP (size, rank), or None for a row without one."""
     magic, count, digest, k = (int(w) for w in words[_FIRST : _FIRST + 4])
+    if magic == MAGIC_V1 and k <= 10 and (not k or k == count):
+        pages = tuple(int(d) for d in words[_FIRST + 4 : _FIRST + 4 + k])
+        return Seal(count, digest, pages), ONE_RANK
     if magic != MAGIC or k > MAX_PAGE_DIGESTS or (k and k != count):
         return None
-    pages = tuple(int(d) for d in words[_FIRST + 4 : _FIRST + 4 + k])
-    return Seal(count, digest, pages)
+    slice_word = int(words[_FIRST + 4])
+    pages = tuple(int(d) for d in words[_FIRST + 5 : _FIRST + 5 + k])
+    return Seal(count, digest, pages), (slice_word >> 16, slice_word & 0xFFFF)
 
 
 def _fake(req: Any) -> bool:
@@ -114,7 +137,7 @@ def before_send_kv_chunk(scheduler: Any, req: Any, *args: Any, **kwargs: Any) ->
     end = kwargs.get("end_idx", args[1] if len(args) > 1 else None)
     end = len(req.origin_input_ids) if end is None else int(end)
     encode(words, None)  # never leave an earlier request's seal in a reused row
-    encode(words, _seal_of(scheduler, req, end))
+    encode(words, _seal_of(scheduler, req, end), runtime().consensus.slice)
 
 
 @safe(Hook.VERIFY)
@@ -125,4 +148,11 @@ def before_commit_transfer(queue: Any, decode_req: Any, *args: Any, **kwargs: An
     if held is None:
         return
     words = _words(queue.metadata_buffers, decode_req.metadata_buffer_index)
-    held.seal = None if words is None else decode(words)
+    sealed = None if words is None else decode_with_writer(words)
+    held.seal, held.skip = None, None
+    if sealed is not None:
+        seal, writer = sealed
+        if writer == rt.consensus.slice:
+            held.seal = seal
+        else:  # another rank's shard of the heads: not this rank's to check
+            held.skip = Skip.UNSUPPORTED_LAYOUT

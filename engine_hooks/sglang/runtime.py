@@ -43,6 +43,8 @@ class Held:
     ticket: Ticket
     start: int
     seal: Seal | None = None
+    #: Why the transfer's seal cannot be checked here (a writer of another TP slice).
+    skip: Skip | None = None
 
 
 @dataclass(slots=True)

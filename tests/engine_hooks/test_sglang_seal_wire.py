@@ -36,7 +36,7 @@ def test_a_seal_with_page_digests_round_trips_beside_the_room() -> None:
     assert hooks_seal.decode(hooks_seal._words(buffers, 1)) is None  # type: ignore[arg-type]
 
 
-def test_over_ten_pages_one_digest_for_all() -> None:
+def test_over_nine_pages_one_digest_for_all() -> None:
     buffers = metadata()
     words = hooks_seal._words(buffers, 0)
     assert words is not None
@@ -60,3 +60,27 @@ def test_a_row_that_cannot_hold_a_seal_is_left_alone() -> None:
     narrow = SimpleNamespace(bootstrap_room=torch.zeros((2, 1), dtype=torch.uint64))
     assert hooks_seal._words(narrow, 0) is None
     assert hooks_seal._words(SimpleNamespace(), 0) is None
+
+
+def test_the_writers_tp_slice_round_trips_and_a_first_version_row_still_reads() -> None:
+    buffers = metadata()
+    words = hooks_seal._words(buffers, 1)
+    assert words is not None
+    seal = Seal(2, page_digests_digest((7, 8)), (7, 8))
+    hooks_seal.encode(words, seal, (2, 1))
+    assert hooks_seal.decode_with_writer(words) == (seal, (2, 1))
+    # A row a kvw1 writer left (no slice word, the page digests one word earlier).
+    words[2:] = 0
+    words[2:8] = (hooks_seal.MAGIC_V1, 2, seal.digest, 2, 7, 8)
+    assert hooks_seal.decode_with_writer(words) == (seal, hooks_seal.ONE_RANK)
+
+
+def test_nine_page_digests_fit_beside_the_slice() -> None:
+    words = hooks_seal._words(metadata(), 0)
+    assert words is not None
+    nine = tuple(range(1, 10))
+    hooks_seal.encode(words, Seal(9, page_digests_digest(nine), nine), (4, 3))
+    assert hooks_seal.decode_with_writer(words) == (
+        Seal(9, page_digests_digest(nine), nine),
+        (4, 3),
+    )

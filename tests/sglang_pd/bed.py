@@ -217,8 +217,10 @@ def sglang_server(
     plugins: str = "kvwatch,cpu_bed",
     extra: list[str] | None = None,
     page_size: int = PAGE_SIZE,
+    tp: int = 1,
 ) -> tuple[Process, Path, int]:
-    """A server process (not started), its kvwatch spool and its bootstrap port (prefill)."""
+    """A server process (not started), its kvwatch spool and its bootstrap port (prefill);
+    ``tp``: its TP width (one scheduler per rank, each bound to a core of its own)."""
     port, bootstrap = free_port(), free_port()
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
@@ -241,10 +243,15 @@ def sglang_server(
     if role == "decode":
         # The default host backup pool sizes itself from the cgroup and registers it with CUDA.
         cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    if tp > 1:
+        cmd += ["--tp-size", str(tp)]
     cmd += extra or []
     server = Process(name, cmd, {}, workdir, port)
     server.spool.mkdir(parents=True, exist_ok=True)
     server.env = base_env(server.spool, mode, plugins)
+    if tp > 1:
+        # SGLang refuses more ranks than NUMA nodes without it (one node here).
+        server.env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % 2) for r in range(tp))
     return server, server.spool, bootstrap
 
 

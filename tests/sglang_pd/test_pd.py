@@ -47,7 +47,7 @@ def prompt(seed: int, words: int) -> str:
 SHARED = prompt(1, 60)
 # Mixed lengths: under one page, several pages (one digest per page on the wire), a shared
 # prefix (a radix-cache hit on prefill, and on the enforce decode, which runs SGLang's decode
-# radix cache; the log decode runs without), and long prompts (over ten pages: one digest for
+# radix cache; the log decode runs without), and long prompts (over nine pages: one digest for
 # all).
 CLEAN = [prompt(2, 6), SHARED, SHARED + " " + prompt(3, 25), prompt(4, 40), prompt(5, 150)]
 
@@ -235,7 +235,7 @@ def test_the_decode_radix_cache_dedup_of_one_admission_gives_no_finding(bed: Bed
 def corrupted(bed: Bed, mode: str, words: int) -> tuple[Any, list[dict[str, Any]]]:
     server = f"decode-{mode}"
     before = len(events(bed, server))
-    # A prompt no other request shares, under ten pages: the wire carries one digest per page.
+    # A prompt no other request shares, under nine pages: the wire carries one digest per page.
     rid = f"{MARK}-{bed.transport}-{mode}"
     served = bed.direct(mode, f"{mode} " + prompt(11, words), MAX_TOKENS, rid=rid)
     assert f"corrupt_after_seal: changed one KV value of {rid}" in bed.prefill(mode).server.text()
