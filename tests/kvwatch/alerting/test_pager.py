@@ -85,6 +85,9 @@ def _series(alert: Alert) -> dict[str, str]:
             if lab.name == name and s.family.endswith(alert.increase.counter)
         )
         labels[name] = next(v for v in label.sorted_values if v != catalogue.OTHER)
+    # A series the alert's own matchers select (KVLayoutMismatch: kind="layout_mismatch").
+    labels |= {name: value for name, op, value in alert.increase.where if op == "="}
+    assert alert.increase.matches(labels), alert.name
     return labels
 
 

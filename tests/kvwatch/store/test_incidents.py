@@ -263,6 +263,28 @@ def test_one_incident_per_affected_request_instance() -> None:
     assert view["counts"]["readers"] == 2 and view["counts"]["sources"] == 2
 
 
+def test_every_tp_ranks_findings_on_one_request_are_one_incident_with_its_ranks() -> None:
+    """Decode at TP 2: both ranks' page-count findings on one request name the scheduler's one
+    instance (each rank's own producer): one incident, its ranks shown, its source once."""
+    a = {**_src("alice", 3, "a#1"), "written_at": T0}
+    rows = [
+        _finding(id=1, rank=0, producer="r0", instance="v-1", detector="checksum",
+                 kind="page_count", sources=[a]),
+        _finding(id=2, time=T0 + 0.01, rank=1, producer="r1", instance="v-1",
+                 detector="checksum", kind="page_count", sources=[a]),
+    ]  # fmt: skip
+    [incident] = incidents.group(_findings(*rows))
+    assert incident["ranks"] == [0, 1]
+    assert incident["exposed"] == 1
+    assert incidents.counts([incident]) == {"affected": 1, "exposed": 1}
+    text = io.StringIO()
+    views.render([incident], text, as_json=False)
+    assert "decode checksum page_count, decode rank 1 checksum page_count" in text.getvalue()
+    shown = io.StringIO()
+    views.render([incident], shown, as_json=True)
+    assert json.loads(shown.getvalue())[0]["ranks"] == [0, 1]
+
+
 def test_the_affected_and_exposed_counters_count_as_every_view(
     spool: Path, reader: SpoolReader
 ) -> None:
