@@ -8,7 +8,6 @@ is an error, never a silent skip.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import types
@@ -44,27 +43,13 @@ def sglang_plugins(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     os.environ["SGLANG_PLUGINS"] = "kvwatch"
     os.environ["KVWATCH_SPOOL"] = str(tmp_path_factory.mktemp("session-spool"))
     warnings.filterwarnings("ignore", category=UserWarning)
-    from sglang.srt.runtime_context import get_parallel
+    from tests.sglang.sgl import published
 
     # This process is rank 0 of one-rank groups (what SGLang's launcher would publish); the
     # decode prealloc queue reads the attention group (no collective runs on one rank).
-    parallel = get_parallel()
-    rank = dict(
-        tp_rank=0,
-        attn_tp_rank=0,
-        pp_rank=0,
-        pp_size=1,
-        attn_tp_group=types.SimpleNamespace(cpu_group=None),
-    )
-    with contextlib.ExitStack() as stack:
-        if hasattr(type(parallel), "override_permanently"):
-            parallel.override_permanently(**rank)
-        else:  # v0.5.19: only the scoped override
-            stack.enter_context(parallel.override(**rank))
-        from sglang.srt import plugins
-
-        plugins.load_plugins()
-        yield plugins
+    one_rank = types.SimpleNamespace(cpu_group=None)
+    with published(tp_rank=0, attn_tp_rank=0, pp_rank=0, pp_size=1, attn_tp_group=one_rank) as p:
+        yield p
 
 
 @pytest.fixture

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from array import array
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -138,3 +140,21 @@ def spool(rt: Any) -> Any:
 def counter(contents: Any, name: str, **labels: str) -> float:
     series = contents.latest_counters().get(name, {})
     return float(series.get(tuple(sorted(labels.items())), 0))
+
+
+@contextlib.contextmanager
+def published(**ranks: Any) -> Iterator[Any]:
+    """This process's ranks published to SGLang's runtime context (what its launcher does),
+    then kvwatch loaded by SGLang's own ``load_plugins()``; yields SGLang's plugins module."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    with contextlib.ExitStack() as stack:
+        if hasattr(type(parallel), "override_permanently"):
+            parallel.override_permanently(**ranks)
+        else:  # v0.5.19: only the scoped override
+            stack.enter_context(parallel.override(**ranks))
+        from sglang.srt import plugins
+
+        plugins.load_plugins()
+        yield plugins

@@ -10,7 +10,6 @@ request can be short while the other's is whole.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import traceback
@@ -41,19 +40,11 @@ def _serve(rank: int, port: int, spool: str, mode: str, plan: Plan) -> dict[str,
     os.environ["KVWATCH_SPOOL"] = spool
     warnings.filterwarnings("ignore", category=UserWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    from sglang.srt.runtime_context import get_parallel
+    from tests.sglang.sgl import published
 
-    parallel = get_parallel()
     group = types.SimpleNamespace(cpu_group=dist.group.WORLD, world_size=2, rank_in_group=rank)
     ranks = dict(tp_rank=rank, attn_tp_rank=rank, pp_rank=0, pp_size=1, attn_tp_group=group)
-    with contextlib.ExitStack() as stack:
-        if hasattr(type(parallel), "override_permanently"):
-            parallel.override_permanently(**ranks)
-        else:  # v0.5.19: only the scoped override
-            stack.enter_context(parallel.override(**ranks))
-        from sglang.srt import plugins
-
-        plugins.load_plugins()
+    with published(**ranks):
         from engine_hooks.sglang import runtime
         from engine_hooks.sglang.config import from_env
 

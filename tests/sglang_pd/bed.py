@@ -452,6 +452,19 @@ def reference_outputs(server: Process, prompts: list[str], max_tokens: int) -> l
 
 
 @contextmanager
+def serving_all(servers: list[Process]) -> Iterator[None]:
+    """The servers started together and ready; every one stopped on exit."""
+    with ExitStack() as stack:
+        stack.callback(stop_all, servers)
+        for server in servers:
+            server.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in servers:
+            server.wait_ready(deadline)
+        yield
+
+
+@contextmanager
 def running_bed(transport: str, workdir: Path) -> Iterator[Bed]:
     """A prefill at each page size (kvwatch log, the corrupter), the log decode behind the
     router and the enforce decode, each at its page size (``PAGE_SIZES``); over Mooncake, the
@@ -501,11 +514,7 @@ def running_bed(transport: str, workdir: Path) -> Iterator[Bed]:
         bed.drain = drain_decode(workdir)
     with ExitStack() as stack:
         stack.callback(stop_all, bed.all_processes())
-        for server in bed.started():
-            server.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in bed.started():
-            server.wait_ready(deadline)
+        stack.enter_context(serving_all(bed.started()))
         front.start()
         warm_router(bed)
         yield bed

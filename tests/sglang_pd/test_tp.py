@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,14 +30,13 @@ import pytest
 from engine_hooks.testing import SpoolContents, read_spool
 from tests.sglang_pd.bed import (
     KVWATCH_ABORT,
-    START_TIMEOUT_S,
     Process,
     Reply,
     generate_body,
     only_loopback,
     post,
+    serving_all,
     sglang_server,
-    stop_all,
     transport_failure,
     with_room,
 )
@@ -105,14 +103,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPBed]:
         )  # fmt: skip
         decode[mode] = server
         spools[server.name] = spool
-    servers = [p for p, _ in prefill.values()] + list(decode.values())
-    with ExitStack() as stack:
-        stack.callback(stop_all, servers)
-        for server in servers:
-            server.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in servers:
-            server.wait_ready(deadline)
+    with serving_all([p for p, _ in prefill.values()] + list(decode.values())):
         yield TPBed(prefill, decode, spools)
 
 

@@ -530,6 +530,30 @@ class Ticker:
             thread.join(timeout=REQUEST_TIMEOUT_S + 5)
 
 
+def decode_servers(
+    transport: str, model: Path, workdir: Path, spools: dict[str, Path], storage: Path, tp: int = 1
+) -> dict[str, Server]:
+    """The bed's decode servers, kvwatch in ``log`` and in ``enforce``, by mode."""
+    return {
+        mode: Server(
+            f"decode-{mode}",
+            model,
+            workdir,
+            transfer_config(
+                transport,
+                "kv_consumer",
+                spools[f"decode-{mode}"],
+                mode,
+                storage,
+                False,
+                node=f"decode-{mode}",
+            ),
+            tp=tp,
+        )
+        for mode in ("log", "enforce")
+    }
+
+
 @contextmanager
 def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
     """Start prefill + decode(log) + decode(enforce) with kvwatch beside ``transport``."""
@@ -549,23 +573,7 @@ def running_bed(transport: str, model: Path, workdir: Path) -> Iterator[Bed]:
             transport, "kv_producer", spools["prefill"], "enforce", storage, True, node="prefill"
         ),
     )
-    decode = {
-        mode: Server(
-            f"decode-{mode}",
-            model,
-            workdir,
-            transfer_config(
-                transport,
-                "kv_consumer",
-                spools[f"decode-{mode}"],
-                mode,
-                storage,
-                False,
-                node=f"decode-{mode}",
-            ),
-        )
-        for mode in ("log", "enforce")
-    }
+    decode = decode_servers(transport, model, workdir, spools, storage)
     servers = [prefill, *decode.values()]
     lease, records, others = None, None, []
     if transport == "nixl":
@@ -649,24 +657,7 @@ def tp_bed(
         ),
         tp=prefill_tp,
     )
-    decode = {
-        mode: Server(
-            f"decode-{mode}",
-            model,
-            workdir,
-            transfer_config(
-                transport,
-                "kv_consumer",
-                spools[f"decode-{mode}"],
-                mode,
-                storage,
-                False,
-                node=f"decode-{mode}",
-            ),
-            tp=decode_tp,
-        )
-        for mode in ("log", "enforce")
-    }
+    decode = decode_servers(transport, model, workdir, spools, storage, decode_tp)
     with serving([prefill, *decode.values()]):
         bed = Bed(transport, prefill, decode, spools, storage, prefill_tp=prefill_tp)
         bed.connect()
