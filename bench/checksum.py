@@ -11,6 +11,10 @@ of 8 consecutive pages (what a sorted free list hands out after churn) and a shu
 (every page its own run, the worst case). With a CUDA device it also times the device path
 against a device-to-device copy of the same bytes.
 
+Then the per-(block, KV head) seal of tensor-parallel pairs (engine_hooks/heads.py) on a vLLM
+HND pool: the CPU path (zlib-ng per head row) and the device path run on CPU tensors (RowAdler,
+what the CPU ran before), interleaved, each against the read pass and the whole-page seal.
+
     python bench/checksum.py [--mib 256] [--repeat 5]
 """
 
@@ -32,6 +36,8 @@ import torch
 from bench._timing import best_seconds
 from engine_hooks import PagedKVPool, adler32
 from engine_hooks.checksum import adler32_chunks, native_read, tensor_buffer
+from engine_hooks.heads import HeadedPool
+from engine_hooks.pool import Layout
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,59 @@ def cpu_rows(model: Model, mib: int, repeat: int) -> None:
     row("stdlib zlib.adler32", stdlib)
 
 
+def headed_rows(mib: int, repeat: int) -> None:
+    """llama-3-70b at TP 8 on the CPU: 80 layers, one KV head per rank, bf16, block 16; and 8
+    KV heads (TP 1) in the same bytes, each per-layer buffer vLLM's HND ``[B, 2, H, N, D]``."""
+    torch.set_num_threads(1)
+    for heads in (1, 8):
+        headed_case(heads, mib, repeat)
+
+
+def headed_case(heads: int, mib: int, repeat: int) -> None:
+    layers, tokens, dim = 80, 16, 128
+    block = 2 * heads * tokens * dim * 2
+    blocks = max(8, (mib << 20) // (block * layers))
+    caches = [
+        torch.randint(0, 255, (blocks, 2, heads, tokens, dim * 2), dtype=torch.uint8)
+        for _ in range(layers)
+    ]
+    head_views = [c.permute(0, 2, 1, 3, 4) for c in caches]  # [B, H, 2, N, bytes]
+    flat = [c.view(blocks, -1) for c in caches]
+    pool = HeadedPool(flat, tokens, head_views, layout=Layout.PAGES, kv_dtype=torch.bfloat16)
+    whole = PagedKVPool(flat, tokens, layout=Layout.PAGES, kv_dtype=torch.bfloat16)
+    nbytes = block * blocks * layers
+    table = page_tables(blocks)["runs of 8"]
+    index = pool.as_index(table)
+    int64_views = [c.view(torch.int64) for c in caches]
+    paths: dict[str, tuple[str, Callable[[], object]]] = {
+        "read": ("read pass (1 thread)", lambda: [v.sum() for v in int64_views]),
+        "page": ("whole-page seal (one digest)", lambda: whole.checksum(table)),
+        "host": (
+            "per-head seal, CPU path (zlib-ng)",
+            lambda: pool._host_head_digests(index, blocks),
+        ),
+        "device": (
+            "per-head seal, device path on CPU",
+            lambda: pool._device_head_digests(index, blocks),
+        ),
+    }
+    timings = dict.fromkeys(paths, float("inf"))
+    for _ in range(repeat):  # interleaved: drift hits every path alike
+        for name, (_label, fn) in paths.items():
+            timings[name] = min(timings[name], best_seconds(fn, 1))
+    print(
+        f"per-head seal, {layers} layers x {heads} KV head(s), bf16, block {tokens}, HND:"
+        f" {nbytes / 2**20:.0f} MiB, {blocks} blocks (runs of 8)"
+    )
+    read, page = timings["read"], timings["page"]
+    for name, (label, _fn) in paths.items():
+        seconds = timings[name]
+        print(
+            f"  {label:<34} {nbytes / seconds / 1e9:7.2f} GB/s  {read / seconds:5.2f}x read pass"
+            f"  {page / seconds:5.2f}x whole-page seal"
+        )
+
+
 def cuda_rows(model: Model, mib: int, repeat: int) -> None:
     pool = build_pool(model, mib, "cuda")
     nbytes = pool.page_bytes * pool.num_pages
@@ -161,6 +220,7 @@ def main() -> None:
     args = parser.parse_args()
     for model in MODELS:
         cpu_rows(model, args.mib, args.repeat)
+    headed_rows(min(args.mib, 128), args.repeat)
     if torch.cuda.is_available():
         for model in MODELS:
             cuda_rows(model, args.mib, args.repeat)

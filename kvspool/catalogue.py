@@ -326,8 +326,9 @@ DAEMON_FAMILIES: Final = (
     Family(
         "kvwatch_rank_verifications",
         "counter",
-        "Requests a hooked detector verified, per live engine rank (its processes' hooks summed):"
-        " a rank whose checks do not run shows beside the ranks whose checks do.",
+        "Requests a hooked detector verified, per live engine rank (its processes' hooks summed,"
+        " restarted ones included): a rank whose checks do not run shows beside the ranks whose"
+        " checks do.",
         (*ENGINE_LABELS, "detector"),
     ),
     Family(

@@ -19,11 +19,14 @@ between ranks.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("kvwatch.sglang")
 
 
 class Consensus:
@@ -56,6 +59,15 @@ class Consensus:
             size = int(getattr(group, "world_size", 1) or 1)
             rank = int(getattr(group, "rank_in_group", 0) or 0)
             return cls(getattr(group, "cpu_group", None), size, rank)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Several ranks and no group of SGLang's to agree over: each rank's verdict is its
+            # own (an enforce failure on one shard may finish the request on that rank alone).
+            logger.error(
+                "kvwatch: SGLang's attention-TP group was not found in a %d-rank process group;"
+                " the ranks' verdicts are not agreed (this SGLang release is not one kvwatch"
+                " knows)",
+                dist.get_world_size(),
+            )
         return cls()
 
     @property

@@ -35,7 +35,7 @@ from engine_hooks.labels import Detector, Hook, Skip
 from engine_hooks.scrub import parse_scrub
 from engine_hooks.takers import DEFAULT_FREED_WATCH_S
 from engine_hooks.vllm.guard import logger, safe
-from engine_hooks.vllm.layout import head_views, kv_pool
+from engine_hooks.vllm.layout import dtype_name, head_views, kv_pool
 from engine_hooks.vllm.layout import signature as layout_signature
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
@@ -162,11 +162,8 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
             return local * self.tp_size
 
     def _dtype_name(self) -> str:
-        """What a KV element is: vLLM's ``cache_dtype`` (``fp8_e4m3`` ...), or for ``auto`` the
-        pool's own dtype (``bfloat16`` ...)."""
-        if self.cache_dtype != "auto":
-            return self.cache_dtype[:32]
-        return str(self.kv_dtype or "").removeprefix("torch.")[:32]
+        """What a KV element is (:func:`layout.dtype_name`)."""
+        return dtype_name(self.cache_dtype, self.kv_dtype)
 
     @safe(Hook.VERIFY)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -164,8 +164,24 @@ def signature(
 
 #: The signature's fields that writer and reader must agree on: what a byte means. The head
 #: range is the writer's own (the reader recombines heads across ranks); ``layout`` is compared
-#: only where the transport copies blocks as raw bytes (see the connector's worker).
-SIGNATURE_FIELDS: tuple[str, ...] = ("dtype", "block_size", "layers", "kv_heads", "cell_bytes")
+#: only where the transport copies blocks as raw bytes (see the connector's worker). Not
+#: ``block_size``: vLLM's NIXL re-blocks between sizes (the bytes then mean the same), so a
+#: differing one is the scheduler's ``unsupported_layout`` skip (per-block seals cannot be
+#: recombined across block sizes), never a finding.
+SIGNATURE_FIELDS: tuple[str, ...] = ("dtype", "layers", "kv_heads", "cell_bytes")
+
+#: vLLM's ``--kv-cache-dtype`` names that mean the same element type: ``fp8`` is E4M3 (on
+#: CUDA; its ROCm build reads both as the fnuz variant alike), so a pair started as ``fp8`` and
+#: ``fp8_e4m3`` reads the same bytes the same way.
+_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
+
+
+def dtype_name(cache_dtype: str, pool_dtype: object) -> str:
+    """What a KV element is, by meaning: vLLM's ``cache_dtype`` (aliases folded), or for
+    ``auto`` the pool's own dtype (``bfloat16`` ...)."""
+    if cache_dtype != "auto":
+        return _DTYPE_ALIASES.get(cache_dtype, cache_dtype)[:32]
+    return str(pool_dtype or "").removeprefix("torch.")[:32]
 
 
 def kv_pool(

@@ -255,15 +255,20 @@ def engine_views(
 
 
 def rank_coverage(state: State) -> RankCoverage:
-    """What each live engine rank's hooked detectors verified and skipped (:data:`RankCoverage`):
-    an engine's ranks side by side, so a rank whose checks do not run is seen."""
-    return engine_ranks(state)[2]
+    """What each live engine rank's live processes verified and skipped (:data:`RankCoverage`):
+    an engine's ranks side by side, so a rank whose checks do not run now is seen (a restarted
+    rank's earlier process does not cover for it)."""
+    return engine_ranks(state, retired=False)[2]
 
 
 def engine_ranks(
-    state: State,
+    state: State, *, retired: bool = True
 ) -> tuple[dict[LabelKey, dict[str, float]], set[tuple[str, str, str, str]], RankCoverage]:
-    """:func:`engine_views` and :func:`rank_coverage` in one pass (one bounding of labels)."""
+    """:func:`engine_views` and the per-rank coverage in one pass (one bounding of labels).
+
+    With ``retired`` the coverage of each live rank also holds its retired processes' counts,
+    so the ``kvwatch_rank_verifications*`` counters never go down while the rank serves (a rank
+    whose process restarts keeps its series; the old process's counts stay in it)."""
     latest: dict[LabelKey, tuple[float, dict[str, float]]] = {}
     info: set[tuple[str, str, str, str]] = set()
     coverage: RankCoverage = {}
@@ -283,6 +288,18 @@ def engine_ranks(
             if producer.gauges and newer:
                 latest[key] = (producer.last_ts, producer.gauges)
             _cover(coverage.setdefault(key, {}), producer)
+        if retired:
+            for producer in sorted(state.producers.values(), key=lambda p: p.id):
+                # Bounded as the live ones were: a label no live producer holds is "other".
+                key = (
+                    _ROLE(producer.role),
+                    _ENGINE(producer.engine),
+                    models.known(producer.model),
+                    ranks.known(producer.rank),
+                    "hooks",
+                )
+                if producer.retired and key in coverage:
+                    _cover(coverage[key], producer)
         for logged in state.logs.values():
             role = _ROLE(logged.role)
             engine = _ENGINE(logged.engine)

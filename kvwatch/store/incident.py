@@ -365,6 +365,7 @@ def _take_writer(reader: Incident, writer: Incident, read_at: float) -> None:
         (reader["detectors"], writer["detectors"]),
     ):
         mine.extend(v for v in theirs if v not in mine)
+    reader["ranks"] = sorted({*reader["ranks"], *writer["ranks"]})  # whose findings it holds
     reader["peer"] = {"node": writer["node"], "request_id": writer["request_id"],
                       "instance": writer["instance"]}  # fmt: skip
     known = {(s.get("node") or reader["node"], *source_key(s)) for s in reader["sources"]}

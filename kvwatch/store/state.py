@@ -49,6 +49,11 @@ class FirstN:
             return text
         return OTHER
 
+    def known(self, value: object) -> str:
+        """``value`` as bounded by the slots already taken, taking none."""
+        text = str(value)
+        return text if text in self.kept else OTHER
+
 
 @dataclass(slots=True)
 class Producer:

@@ -20,6 +20,7 @@ from transport import LINKS, new_link
 from vllm.v1.engine import FinishReason
 
 from engine_hooks.testing import read_spool
+from engine_hooks.vllm.layout import dtype_name
 
 #: (prefill TP, decode TP): the same width, and both heterogeneous pairs. The tiny model has
 #: two KV heads, so TP 2 holds one head per rank.
@@ -159,3 +160,11 @@ def test_a_dtype_mismatch_is_caught_before_the_read(
     detail = verdicts(p.decode)[0].detail
     assert (detail["sealed"], detail["read"]) == ("float16", "bfloat16")
     assert p.decode.finished["misread"].finish_reason == FinishReason.ERROR
+
+
+def test_element_types_are_compared_by_meaning() -> None:
+    """vLLM's ``fp8`` is its ``fp8_e4m3``: a pair started with the two names reads the same
+    bytes the same way, so no ``layout_mismatch``; E5M2 is another type; ``auto`` is the pool's."""
+    assert dtype_name("fp8", torch.uint8) == dtype_name("fp8_e4m3", torch.uint8) == "fp8_e4m3"
+    assert dtype_name("fp8_e5m2", torch.uint8) != dtype_name("fp8", torch.uint8)
+    assert dtype_name("auto", torch.bfloat16) == "bfloat16"

@@ -206,7 +206,10 @@ def test_500_producers_minting_versions_keep_each_cap_exactly(tmp_path: Path) ->
             text = daemon.scrape()
             families = {f.name: f for f in text_string_to_metric_families(text)}
             info = families["kvwatch_engine_info"].samples
-            if len(info) == MAX_VERSIONS + 1 or time.monotonic() > deadline:
+            # Every producer read (each rank's pool gauge is there), not just the first 17.
+            pools = families["kvwatch_kv_pool_tokens"].samples
+            read = sum(s.value for s in families["kvwatch_producers"].samples)
+            if read == 500 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     finally:
@@ -216,7 +219,7 @@ def test_500_producers_minting_versions_keep_each_cap_exactly(tmp_path: Path) ->
     assert len(versions) == MAX_VERSIONS + 1 and "other" in versions, sorted(versions)
     assert len(models) == MAX_MODELS + 1 and "other" in models
     assert versions - {"other"} <= {f"0.{i}.0" for i in range(500)}
-    ranks = {s.labels["rank"] for s in families["kvwatch_kv_pool_tokens"].samples}
+    ranks = {s.labels["rank"] for s in pools}
     assert len(ranks) == MAX_RANKS + 1 and "other" in ranks
     elsewhere = {
         (f.name, s.labels["version"])

@@ -16,7 +16,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.expose.metrics import KvwatchCollector
+from kvwatch.expose.metrics import KvwatchCollector, rank_coverage
 from kvwatch.expose.status import STALE_SECONDS, Alarm, AlarmSettings, Summary, alarm
 from kvwatch.expose.status import summarize as summarize_with
 from kvwatch.ingest.spool.reader import SpoolReader
@@ -113,6 +113,32 @@ def test_a_rank_that_verifies_nothing_is_not_covered(
     assert _series(text, "kvwatch_rank_verifications_skipped_total", "checksum", "1") == 8.0
     # mode_off is a choice, not a gap: rank 0's page tags are not counted as skipped.
     assert _series(text, "kvwatch_rank_verifications_skipped_total", "page_tag", "0") is None
+
+
+def test_a_restarted_ranks_counters_never_go_down(
+    spool: Path, state: State, reader: SpoolReader
+) -> None:
+    """Rank 0's process verified 8 transfers and was replaced (its segments gone from the spool):
+    the rank's counter keeps those 8 beside the new process's 2, so ``rate()`` sees no reset;
+    the coverage check reads only the live process (2 verified: covered)."""
+    old = Producer(spool, "vllm-decode-r0-100-aaaa0000", rank=0)
+    counts = [["verifications", {"detector": "checksum"}, 8]]
+    old.append(old.hello(), old.frame("counters", {"counters": counts}))
+    reader.poll()
+    text = render_metrics(state)
+    assert _series(text, "kvwatch_rank_verifications_total", "checksum", "0") == 8.0
+    for segment in spool.glob(f"{old.name}*"):
+        segment.unlink()
+    new = Producer(spool, "vllm-decode-r0-200-aaaa0001", rank=0)
+    counts = [["verifications", {"detector": "checksum"}, 2]]
+    new.append(new.hello(), new.frame("counters", {"counters": counts}))
+    reader.poll()
+    assert state.producers[old.name].retired and not state.producers[new.name].retired
+    text = render_metrics(state)
+    assert _series(text, "kvwatch_rank_verifications_total", "checksum", "0") == 10.0
+    assert rank_coverage(state)[("decode", "sglang", "glm-5.3", "0", "hooks")] == {
+        "checksum": (2.0, 0.0)
+    }
 
 
 def render_metrics(state: State) -> str:

@@ -398,7 +398,7 @@ def _lease_case() -> list[dict[str, Any]]:
     return [
         _finding(id=1, time=T0 + 10, node="d", request_id="x-d", instance="d#1",
                  detector="checksum", kind="digest", detail=peer),
-        _finding(id=1, time=T0 + 20, node="p", role="prefill", request_id="x-p",
+        _finding(id=1, time=T0 + 20, node="p", role="prefill", request_id="x-p", rank=1,
                  instance="p#1", detector="page_tag", kind="freed_before_read",
                  sources=[{**_src("t1", 2, "t1#1"), "written_at": T0 + 5},
                           {**_src("t2", 1, "t2#1"), "written_at": T0 + 12}]),
@@ -417,6 +417,7 @@ def test_a_reader_joins_the_writers_side_of_the_same_request_instance() -> None:
     assert [(i["node"], i["request_id"]) for i in grouped] == [("d", "x-d"), ("q", "x-p")]
     reader = grouped[0]
     assert reader["roles"] == ["decode", "prefill"] and len(reader["findings"]) == 2
+    assert reader["ranks"] == [0, 1]  # the ranks of every finding it holds, the writer's too
     assert reader["peer"] == {"node": "p", "request_id": "x-p", "instance": "p#1"}
     assert [(s["node"], s["request_id"], s["pages"]) for s in reader["sources"]] == [("p", "t1", 2)]
     assert incidents.counts(grouped) == {"affected": 2, "exposed": 2}
