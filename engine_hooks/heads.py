@@ -123,9 +123,7 @@ class HeadedPool(PagedKVPool):
             for start in range(0, int(index.numel()), step):
                 yield start * heads, _cells(view, index[start : start + step])
 
-    def _device_head_digests(
-        self, index: torch.Tensor, count: int
-    ) -> tuple[tuple[int, ...], ...]:
+    def _device_head_digests(self, index: torch.Tensor, count: int) -> tuple[tuple[int, ...], ...]:
         """On the pool's device: :class:`RowAdler`, one row per (page, head)."""
         state = RowAdler(count * self.head_count, self.device)
         for first, rows in self._row_batches(index):
