@@ -134,6 +134,7 @@ DROP_REASON: Final = _label(
         "write_error": "the write failed (disk full, spool directory gone)",
         "oversize": "the record is larger than MAX_RECORD_BYTES",
         "closed": "the writer was closed",
+        "invalid": "the record is one the daemon would reject (its schema, or a hello or seal)",
     },
 )
 #: Why the daemon rejected a frame, record or file (``kvwatch_spool_rejected_total{reason}``).

@@ -24,6 +24,8 @@ from kvspool.records import (
     RECORD_TYPES,
     SCHEMA_VERSION,
     Record,
+    Seq,
+    Text,
 )
 
 OTHER: Final = catalogue.OTHER
@@ -56,17 +58,32 @@ __all__ = [
 
 
 class SchemaError(ValueError):
-    """A payload that is not a valid record; ``reason`` is a bounded label value."""
+    """A payload that is not a valid record; ``reason`` is a bounded label value. ``producer``
+    and ``seq`` are the envelope's where it still reads (JSON with a valid producer and
+    sequence number, a body this schema refuses): the record is rejected, its number is not
+    lost."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(
+        self, reason: str, message: str, producer: str | None = None, seq: int | None = None
+    ) -> None:
         super().__init__(message)
         self.reason = reason
+        self.producer = producer
+        self.seq = seq
+
+
+class _Envelope(msgspec.Struct, frozen=True, gc=False):
+    """What every record carries, whatever its body: who wrote it and its number."""
+
+    producer: Text
+    seq: Seq
 
 
 #: Compact JSON, as the writer writes it. NaN and infinities become ``null``, which the gate
 #: rejects: a producer's bad number is a counted reject, never a stored one.
 encode_payload: Final = msgspec.json.Encoder().encode
 _decode: Final = msgspec.json.Decoder(Record).decode
+_envelope: Final = msgspec.json.Decoder(_Envelope).decode
 # Paths whose error means "not this schema" rather than "this schema, badly filled in".
 _SCHEMA_PATHS: Final = ("at `$.v`", "at `$.type`")
 
@@ -78,7 +95,11 @@ def decode_payload(payload: bytes) -> Record:
     except msgspec.ValidationError as exc:
         message = str(exc)
         reason = "schema" if message.endswith(_SCHEMA_PATHS) else "malformed"
-        raise SchemaError(reason, message) from None
+        try:
+            envelope = _envelope(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            raise SchemaError(reason, message) from None
+        raise SchemaError(reason, message, envelope.producer, envelope.seq) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise SchemaError("malformed", f"payload is not JSON: {exc}") from None
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvspool import records
-from kvspool.framing import HEADER_BYTES, SEGMENT_SUFFIX, encode_frame
-from kvspool.schema import encode_payload
+from kvspool.framing import SEGMENT_SUFFIX, encode_frame
+from kvspool.schema import SchemaError, decode_payload, encode_payload
 
 #: Where engines write and the daemon reads, unless configured otherwise.
 DEFAULT_SPOOL_DIR: Final = "/run/kvwatch/spool"
@@ -83,6 +83,7 @@ class SpoolWriter:
         self._closed = False
         #: The spool failure the engine's log was told of (until a segment opens again).
         self._warned = False
+        self._told_invalid = False
 
     # -- public -------------------------------------------------------------------------------
 
@@ -113,22 +114,59 @@ class SpoolWriter:
     def _segment_name(self, index: int) -> str:
         return f"{self.producer}.{index:06d}{SEGMENT_SUFFIX}"
 
-    def _frame(self, record_type: str, fields: dict[str, Any]) -> bytes:
-        self._seq += 1
+    def _payload(self, record_type: str, fields: dict[str, Any], seq: int) -> bytes:
         record = {
             "v": records.SCHEMA_VERSION,
             "type": record_type,
             "producer": self.producer,
             **fields,
-            "seq": self._seq,
+            "seq": seq,
             "ts": time.time(),
         }
-        return encode_frame(encode_payload(record))
+        return encode_payload(record)
+
+    def _frame(self, record_type: str, fields: dict[str, Any]) -> bytes:
+        self._seq += 1
+        return encode_frame(self._payload(record_type, fields, self._seq))
+
+    def _refused(self, record_type: str, fields: dict[str, Any]) -> bool:
+        """True (counted ``invalid``, told once; ``oversize``) for a record the daemon's reader
+        would reject: one the schema refuses, or a hello or seal, which only the writer itself
+        writes where they belong. It takes no sequence number: refused here, not lost there."""
+        why = ""
+        if record_type in (records.HELLO, records.NEXT_SEGMENT):
+            why = f"a {record_type} record is the writer's own"
+        else:
+            try:
+                payload = self._payload(record_type, fields, self._seq + 1)
+                if len(payload) > records.MAX_RECORD_BYTES:
+                    self.dropped["oversize"] += 1
+                    return True
+                decode_payload(payload)
+            except SchemaError as exc:
+                why = str(exc)
+            except (TypeError, ValueError, OverflowError) as exc:
+                why = f"not encodable: {exc}"
+        if not why:
+            return False
+        self.dropped["invalid"] += 1
+        if not self._told_invalid:
+            self._told_invalid = True
+            logger.error(
+                "kvwatch: a %r record was refused (the daemon would reject it): %s; such"
+                " records are dropped and counted (kvwatch_spool_dropped_records_total"
+                '{reason="invalid"})',
+                record_type[:32],
+                why[:200],
+            )
+        return True
 
     def _write_locked(self, record_type: str, fields: dict[str, Any]) -> bool:
         if self._closed:
             self._seq += 1
             self.dropped["closed"] += 1
+            return False
+        if self._refused(record_type, fields):
             return False
         if self._fd is not None and time.monotonic() >= self._next_check:
             self._check_segment_still_there()
@@ -136,9 +174,6 @@ class SpoolWriter:
             self._seq += 1  # the lost record leaves a gap the daemon counts
             return False
         frame = self._frame(record_type, fields)
-        if len(frame) - HEADER_BYTES > records.MAX_RECORD_BYTES:
-            self.dropped["oversize"] += 1
-            return False
         if self._size + len(frame) > self.segment_bytes:
             self._seq -= 1  # re-framed below, after the seal and the next segment's hello
             self._rotate()

@@ -360,10 +360,23 @@ class Daemon:
             ok = self._spool_present()
             self._failures = 0
             self.ready.set()  # the journal is open and a poll has committed
+            problem, journal_failing = "", False
+            if not ok:
+                problem = f"the spool folder {self.config.spool_dir} is missing or unreadable"
         except Exception as exc:
             ok = False
             self._failures += 1
-            self.log.error("spool.poll_failed", error=str(exc), error_type=type(exc).__name__)
+            problem, journal_failing = errors.poll_failure(
+                exc, self.config.journal, self.config.spool_dir
+            )
+            self.log.error(
+                "spool.poll_failed",
+                error=str(exc),
+                error_type=type(exc).__name__,
+                cause=problem,
+            )
+        with self.state.lock:
+            self.state.poll_problem, self.state.journal_failing = problem, journal_failing
         self._done("spool", ok, started)
         self.evaluator.wake()
         if self.logs.watched:

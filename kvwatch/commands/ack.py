@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.incident is not None and args.incident < 1:
         return fail("ack", f"incident id {args.incident}: expected a positive whole number", 2)
     path = args.journal or configuration.DEFAULT_JOURNAL
-    problem = journal_problem(path)
+    problem = journal_problem(path, write=True)
     if problem:
         return fail("ack", problem)
     try:

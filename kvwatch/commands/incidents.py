@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sqlite3
 import sys
 import time
@@ -16,7 +15,14 @@ from typing import Any, Final, TextIO
 
 from kvwatch import config as configuration
 from kvwatch.commands.clihelp import add_command, fail
-from kvwatch.commands.common import DETECTORS, KINDS, choice, journal_problem, time_range
+from kvwatch.commands.common import (
+    DETECTORS,
+    KINDS,
+    access_problem,
+    choice,
+    journal_problem,
+    time_range,
+)
 from kvwatch.store import incidents_log
 from kvwatch.store.incident import Finding, Incident, counts, finding_summary, source_key
 from kvwatch.store.incidents_log import ReadResult, iso
@@ -271,17 +277,19 @@ _SHOWN_ERRORS = 20
 def log_problem(path: str) -> str | None:
     from kvwatch.store.incidents_log import rotated
 
+    problem = access_problem("the incidents log", path)
+    if problem:
+        return problem
     log = Path(path)
-    if log.is_dir():
-        return f"the incidents log {path} is a directory, not a file"
     if log.exists() and not log.is_file():
         return f"the incidents log {path} is not a regular file"
     files = rotated(log)
     if not files:
         return f"no incidents log at {path} (give the daemon's incidents_log path)"
     for file in files:
-        if not os.access(file, os.R_OK):
-            return f"the incidents log {file} is not readable by this user (try sudo)"
+        problem = access_problem("the incidents log", str(file))
+        if problem:
+            return problem
     return None
 
 

@@ -1,6 +1,7 @@
 """The daemon's HTTP surface: ``/metrics`` (Prometheus), ``/`` (the status page; JSON with
 ``Accept: application/json``, which ``kvwatch status`` reads), ``/-/healthy`` (the process
-serves), ``/-/ready`` (the journal is open and the first poll committed); anything else is 404.
+serves), ``/-/ready`` (the journal is open, the first poll committed and the last one could
+write the journal; else 503 and why); anything else is 404.
 Plain HTTP or TLS (a client certificate required when a CA is given).
 """
 
@@ -45,13 +46,18 @@ def make_app(
         if path == "/-/healthy":
             return _reply(start_response, "200 OK", text, b"kvwatch is healthy.\n")
         if path == "/-/ready":
-            if ready():
+            with state.lock:
+                problem, journal_failing = state.poll_problem, state.journal_failing
+            if ready() and not journal_failing:
                 return _reply(start_response, "200 OK", text, b"kvwatch is ready.\n")
+            why = problem if journal_failing else "the first poll has not committed yet"
+            if problem and not journal_failing:
+                why += f" ({problem})"
             return _reply(
                 start_response,
                 "503 Service Unavailable",
                 text,
-                b"kvwatch is not ready: the first poll has not committed yet.\n",
+                f"kvwatch is not ready: {why}.\n".encode(),
             )
         if path != "/":
             return _reply(

@@ -359,13 +359,14 @@ def _band(state: State) -> Check:
 def _coverage(state: State, h: Health) -> Check:
     with state.lock:
         spool_ok = state.collectors.get("spool", (True, 0.0))[0]
+        problem = state.poll_problem
         totals = state.hook_counter_totals()
     if not spool_ok:
         return Check(
             "coverage",
             "warning",
-            "the spool folder is missing or unreadable: nothing is verified "
-            "(see the daemon's log; the engines create it when they start)",
+            (problem or "the spool folder is missing or unreadable")
+            + ": nothing new is verified (see the daemon's log)",
         )
     if h.live_producers == 0:
         return Check(

@@ -22,6 +22,8 @@ OTHER: Final = catalogue.OTHER
 MAX_MODELS: Final = 16
 MAX_VERSIONS: Final = 16
 MAX_RANKS: Final = 64
+#: Rejected records' numbers a producer keeps excused from the gap count at once.
+MAX_EXCUSED: Final = 4096
 
 LabelKey = tuple[str, ...]
 Totals = defaultdict[tuple[str, LabelKey], float]
@@ -77,6 +79,28 @@ class Producer:
     #: True once none of its segments is left in the spool: its gauges go, its counters stay.
     retired: bool = False
     retired_at: float = 0.0
+    #: Numbers above ``last_seq`` of records rejected whole (a body the schema refuses): not a
+    #: gap when the next accepted record comes. In memory only; bounded (:data:`MAX_EXCUSED`).
+    excused: set[int] = field(default_factory=set)
+
+    def excuse(self, seq: int) -> None:
+        if len(self.excused) >= MAX_EXCUSED:
+            self.excused.discard(min(self.excused))  # the oldest is counted lost, if still missing
+        self.excused.add(seq)
+
+    def missing(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The runs of numbers in [first, last] neither read nor excused; forgets every excused
+        number up to ``last`` (a record above them was read)."""
+        inside = sorted(n for n in self.excused if first <= n <= last)
+        self.excused = {n for n in self.excused if n > last}
+        runs, start = [], first
+        for n in inside:
+            if n > start:
+                runs.append((start, n - 1))
+            start = n + 1
+        if start <= last:
+            runs.append((start, last))
+        return runs
 
 
 @dataclass(slots=True)
@@ -132,6 +156,10 @@ class State:
     log_counts: Totals = field(default_factory=totals)
     #: collector name -> (success, duration in seconds) of its last run.
     collectors: dict[str, tuple[bool, float]] = field(default_factory=dict)
+    #: What failed the last spool poll, naming the part ("the journal's disk is full ..."); ""
+    #: when it succeeded. ``journal_failing``: that part is the journal (``/-/ready`` is 503).
+    poll_problem: str = ""
+    journal_failing: bool = False
     next_producer_id: int = 1
     next_segment_id: int = 1
     lock: threading.RLock = field(default_factory=threading.RLock)

@@ -180,11 +180,39 @@ def test_the_payload_is_the_schemas_json_and_a_non_finite_value_is_rejected(
     data = w.segment_path.read_bytes()
     frames = [f.payload for f in kvspool.iter_frames(data)]
     assert schema.decode_payload(frames[1] or b"").gauges[0].value == 4096.0
-    # NaN cannot be JSON: it arrives as null, which validate() refuses (the daemon counts it as
-    # malformed); the records around it are intact.
+    # NaN cannot be JSON: it would arrive as null, which the daemon's gate refuses, so the
+    # writer refuses it first (counted, no sequence number taken: nothing is lost); the
+    # records around it are intact and numbered without a gap.
+    assert w.dropped["invalid"] == 1
     contents = read_spool(tmp_path)
-    assert contents.errors == {"malformed": 1}
+    assert contents.errors == {}
     assert [r["type"] for r in contents.records] == ["hello", "gauges", "event"]
+    assert [r["seq"] for r in contents.records] == [1, 2, 3]
+
+
+def test_the_writer_refuses_what_the_reader_would_reject(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hello or seal through write() (only the writer writes those, where they belong) and a
+    label the contract does not know: refused, counted ``invalid``, told once in the engine's
+    log; they take no number, so the daemon sees no gap and no reject."""
+    w = writer(tmp_path)
+    w.write(schema.GAUGES, {"gauges": [["kv_pool_tokens", {}, 1.0]]})
+    w.write("hello", dict(w.identity))
+    w.write("next_segment", {"next_segment": "x.000002.kvs"})
+    w.write(schema.GAUGES, {"gauges": [["kv_pool_tokens", {"tier": "hbm"}, 1.0]]})
+    w.write(schema.EVENT, event(1))
+    w.close()
+    assert w.dropped["invalid"] == 3
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and "kvwatch_spool_dropped_records_total" in refused[0].getMessage()
+    contents = read_spool(tmp_path)
+    assert contents.errors == {}
+    assert [(r["type"], r["seq"]) for r in contents.records] == [
+        ("hello", 1),
+        ("gauges", 2),
+        ("event", 3),
+    ]
 
 
 def _unwritable(tmp_path: Path) -> Path:

@@ -166,7 +166,7 @@ def test_missing_spool_and_log_are_loud_and_measured(tmp_path: Path) -> None:
         _, _, body = get(f"http://127.0.0.1:{port}/", accept="application/json")
         summary = json.loads(body)
         assert summary["level"] == "warning"
-        assert "spool folder is missing" in summary["headline"]
+        assert "is missing or unreadable" in summary["headline"]
         daemon.spool.mkdir()
         log.write_text("starting\n")
         wait_until(lambda: collector(daemon, "spool") == 1.0 and collector(daemon, "logs") == 1.0)

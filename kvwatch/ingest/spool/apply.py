@@ -207,13 +207,20 @@ class RecordApplier(SpoolDirectory):
         self._count(DaemonCounter.EXPOSED_REQUESTS, (_ROLE(producer.role),), new + others)
 
     def _lost(self, producer: Producer, first: int, last: int) -> None:
-        count = last - first + 1
-        self._batch.gaps.append((time.time(), producer.name, first, last))
-        self._count(DaemonCounter.SPOOL_LOST_RECORDS, (), count)
-        self._polled["lost"] += count
-        self.log.warning(
-            "spool.records_lost", producer=producer.name, first_seq=first, last_seq=last, lost=count
-        )
+        """Numbers ``first``..``last`` were never read; those of records rejected whole are not
+        lost (each was counted once, as rejected)."""
+        for start, end in producer.missing(first, last):
+            count = end - start + 1
+            self._batch.gaps.append((time.time(), producer.name, start, end))
+            self._count(DaemonCounter.SPOOL_LOST_RECORDS, (), count)
+            self._polled["lost"] += count
+            self.log.warning(
+                "spool.records_lost",
+                producer=producer.name,
+                first_seq=start,
+                last_seq=end,
+                lost=count,
+            )
 
     def _reload(self) -> None:
         """After a failed commit: forget everything not in the journal."""

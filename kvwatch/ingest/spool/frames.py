@@ -98,6 +98,11 @@ class FrameReader(PoisonIsolation):
                 record = decode(payload)
             except SchemaError as exc:
                 self._reject(segment, base + offset, end - offset, exc.reason, str(exc))
+                if exc.producer == name and exc.seq is not None and exc.seq > last:
+                    # A body this schema refuses (a newer writer's): counted once, as rejected,
+                    # never also as a gap. Its number is only excused, never taken: a forged
+                    # record must not steal the number of the intact one after it.
+                    producer.excuse(exc.seq)
                 continue
             if record.producer != name:
                 self._reject(segment, base + offset, end - offset, "producer", "")

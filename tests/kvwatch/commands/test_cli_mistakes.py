@@ -388,7 +388,7 @@ def test_read_only_journal_as_another_user(scratch: Path) -> None:
     else:  # the suite's own user cannot read a file it made unreadable to itself
         journal.chmod(0o000)
         result = run_kvwatch(["incidents", "--journal", str(journal)])
-    assert_one_line(result, 1, f"the journal {journal} is not readable by this user")
+    assert_one_line(result, 1, f"the journal {journal} is not readable by user ")
 
 
 def test_journal_in_a_read_only_folder(scratch: Path) -> None:

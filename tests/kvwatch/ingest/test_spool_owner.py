@@ -123,7 +123,7 @@ def test_the_writer_gives_a_segment_the_folders_group_readable(tmp_path: Path) -
     old = os.umask(0o077)  # an engine whose umask drops group read
     try:
         writer = SpoolWriter(spool, engine="minipd", role="decode")
-        assert writer.write(schema.EVENT, {"detector": "canary", "kind": "x", "request_id": "r"})
+        assert writer.write(schema.GAUGES, {"gauges": [["kv_pool_tokens", {}, 4096.0]]})
         writer.close()
     finally:
         os.umask(old)

@@ -152,6 +152,37 @@ def test_unknown_schema_version_and_malformed_records(
     assert [i.request_id for i in journal.incidents()] == ["ok"]
 
 
+def test_a_rejected_record_is_rejected_not_lost(spool: Path, tmp_path: Path) -> None:
+    """Three gauge records, the middle one with a label this daemon's contract does not know
+    (a newer engine's hooks beside an older daemon): rejected once, never also counted lost.
+    A refused body that claims the next intact record's number steals nothing, and a true gap
+    is still lost."""
+    p = Producer(spool)
+    hello = p.hello()
+    first = p.frame("gauges", {"gauges": [["kv_pool_tokens", {}, 1.0]]})
+    newer = p.record("gauges", {"gauges": [["kv_pool_tokens", {"tier": "hbm"}, 1.0]]})
+    third = p.frame("gauges", {"gauges": [["kv_pool_tokens", {}, 2.0]]})
+    p.append(hello, first, encode_frame(encode_payload(newer)), third)
+    journal = Journal(tmp_path / "j.db")
+    state = journal.load()
+    reader = SpoolReader(spool, journal, state, idle_grace=3600)
+    assert reader.poll().lost == 0
+    assert rejected(state) == {"malformed": 1}
+    assert state.daemon[("spool_lost_records", ())] == 0
+    # A forged body with the number the next record will carry: the intact record still lands.
+    intact = p.record("gauges", {"gauges": [["kv_pool_tokens", {}, 3.0]]})
+    forged = {**intact, "gauges": [["kv_pool_tokens", {"forged": "x"}, 9.0]]}
+    p.append(encode_frame(encode_payload(forged)), encode_frame(encode_payload(intact)))
+    p.append(p.frame("gauges", {"gauges": [["kv_pool_tokens", {}, 4.0]]}, skip=2))
+    reader.poll()
+    assert rejected(state) == {"malformed": 2}
+    assert journal.scalar("SELECT max(seq) FROM records") == p.seq
+    assert journal.scalar("SELECT count(*) FROM records") == p.seq - 3  # the refused + the gap
+    assert state.daemon[("spool_lost_records", ())] == 2
+    assert journal.scalar("SELECT first_seq || '-' || last_seq FROM gaps") == "6-7"
+    journal.close()
+
+
 def test_oversize_record_is_skipped(
     spool: Path, reader: SpoolReader, journal: Journal, state: State
 ) -> None:

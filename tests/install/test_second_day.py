@@ -1,0 +1,114 @@
+"""The operator's second day, from the wheel, in the README's two-user layout (see
+test_two_users): what goes wrong after the first install names its cause, and the counts add up.
+
+Each test drives the installed ``kvwatch`` as the users involved: the daemon's own user, an
+engine user in its group, a user outside it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.install.test_two_users import Node, Users, as_user, node, users, walkthrough
+
+__all__ = ["node", "users"]  # the fixtures, shared with test_two_users
+
+pytestmark = pytest.mark.skipif(
+    __import__("os").geteuid() != 0, reason="adds system users: needs root"
+)
+
+
+def as_(user: str, plain: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        as_user(user, str(plain / "kvwatch"), *argv),
+        cwd="/", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_permission_problems_name_who_may_read_and_who_may_acknowledge(
+    node: Node, users: Users, engine: Path, plain: Path
+) -> None:
+    member = users.add("m", node.user)  # an on-call engineer in group kvwatch
+    stranger = users.add("s")  # in no group of the daemon's
+    node.start()
+    walkthrough(engine, users.add("e", node.user), node.spool, node.root / "home-e")
+    node.wait("the findings reach the journal", lambda: node.status()[0] == 4)
+    journal = str(node.journal)
+
+    # Outside the group: the journal's folder (StateDirectoryMode 0750) keeps them out.
+    for command in (["incidents"], ["ack", "--all"]):
+        line = one_line_error(as_(stranger, plain, *command, "--journal", journal))
+        assert line.startswith(f"kvwatch {command[0]}: the journal {journal} is not readable"), line
+        assert f"user {stranger}" in line and f"member of group {node.user}" in line, line
+        assert f"usermod -aG {node.user} {stranger}" in line, line
+
+    # In the group: reads, but acknowledging writes the daemon's journal (0640, its own).
+    listed = as_(member, plain, "incidents", "--journal", journal)
+    assert listed.returncode == 0 and "page_tag" in listed.stdout, listed.stderr
+    line = one_line_error(as_(member, plain, "ack", "--all", "--journal", journal))
+    assert f"user {member} may not write the journal {journal}" in line, line
+    assert f"only {node.user} (sudo -u {node.user} ...) or root may" in line, line
+    assert "readonly database" not in line, line
+
+    # As the message says: the daemon's user acknowledges, and the alarm clears.
+    acked = as_(node.user, plain, "ack", "--all", "--journal", journal)
+    assert acked.returncode == 0, acked.stderr
+    node.wait("ack clears the alarm", lambda: node.status()[0] != 4)
+    assert node.status()[1]["integrity"]["acknowledged"] > 0  # type: ignore[index]
+
+
+WRITE_AS_A_NEWER_ENGINE = r"""
+import fcntl, os, sys, time
+from kvspool import SpoolWriter, encode_frame, encode_payload
+
+spool = sys.argv[1]
+writer = SpoolWriter(spool, engine="vllm", role="decode")
+writer.write("gauges", {"gauges": [["kv_pool_tokens", {}, 1.0]]})
+# A hook through the writer's API writing a hello mid-segment: the writer refuses it.
+writer.write("hello", dict(writer.identity))
+# What a newer engine's writer (whose contract knows a "tier" label) appends: a whole record
+# this daemon's schema rejects, numbered in the stream like any other.
+newer = {"v": 1, "type": "gauges", "producer": writer.producer, "seq": writer.seq + 1,
+         "ts": time.time(), "gauges": [["kv_pool_tokens", {"tier": "hbm"}, 1.0]]}
+with writer._lock:
+    os.write(writer._fd, encode_frame(encode_payload(newer)))
+    writer._seq += 1
+writer.write("gauges", {"gauges": [["kv_pool_tokens", {}, 2.0]]})
+print(writer.seq, writer.dropped["invalid"])
+"""
+
+
+def test_a_record_rejected_whole_is_rejected_not_lost(
+    node: Node, users: Users, engine: Path
+) -> None:
+    engine_user = users.add("e", node.user)
+    node.start()
+    result = subprocess.run(
+        as_user(engine_user, str(engine / "python"), "-c", WRITE_AS_A_NEWER_ENGINE,
+                str(node.spool)),
+        cwd="/", capture_output=True, text=True, timeout=120, check=False, umask=0o027,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["4", "1"], result.stdout  # hello, gauges, newer, gauges
+    assert "refused" in result.stderr, result.stderr  # the engine's log says so, once
+    node.wait(
+        "the records are read",
+        lambda: node.metric("kvwatch_spool_records_total") == 3,  # hello, two gauges
+    )
+    assert node.metric("kvwatch_spool_rejected_total", reason="malformed") == 1
+    assert node.metric("kvwatch_spool_rejected_total", reason="hello") == 0
+    assert node.metric("kvwatch_spool_lost_records_total") == 0
+    code, summary = node.status()
+    assert summary["integrity"]["lost_records"] == 0, summary  # type: ignore[index]
+    assert code != 4, summary
