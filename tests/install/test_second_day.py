@@ -7,7 +7,11 @@ engine user in its group, a user outside it.
 
 from __future__ import annotations
 
+import grp
+import pwd
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -112,3 +116,78 @@ def test_a_record_rejected_whole_is_rejected_not_lost(
     code, summary = node.status()
     assert summary["integrity"]["lost_records"] == 0, summary  # type: ignore[index]
     assert code != 4, summary
+
+
+WRITE_FINDINGS = r"""
+import sys
+from kvspool import SpoolWriter
+
+writer = SpoolWriter(sys.argv[1], engine="vllm", role="decode", max_segments=10_000)
+for i in range(int(sys.argv[2])):
+    writer.write("event", {
+        "detector": "canary", "kind": "unwritten_page", "mode": "log", "action": "logged",
+        "request_id": f"req-{i}", "pages": [i % 4096, 7], "pages_total": 2,
+        "detail": {"unwritten": 1},
+    })
+writer.close()
+print(writer.seq, writer.dropped.total())
+"""
+
+
+def ready(node: Node) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"{node.url}/-/ready", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_a_full_journal_disk_names_itself_and_loses_nothing(
+    node: Node, users: Users, engine: Path
+) -> None:
+    """The journal's folder on a 512 KiB tmpfs: the daemon names the full disk (status, the
+    coverage check, ``/-/ready``), records wait in the spool, and once the disk grows every one
+    is journaled, none lost."""
+    folder = node.journal.parent
+    ids = f"uid={pwd.getpwnam(node.user).pw_uid},gid={grp.getgrnam(node.user).gr_gid}"
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size=512k,mode=0750,{ids}", "tmpfs", str(folder)],
+        check=True,
+    )
+    try:
+        node.start()
+        result = subprocess.run(
+            as_user(users.add("e", node.user), str(engine / "python"), "-c", WRITE_FINDINGS,
+                    str(node.spool), "6000"),
+            cwd="/", capture_output=True, text=True, timeout=300, check=False, umask=0o027,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        written, dropped = map(int, result.stdout.split())
+        assert dropped == 0, result.stdout
+
+        def coverage() -> str:
+            checks = node.status()[1]["checks"]
+            return next(c["line"] for c in checks if c["name"] == "coverage")  # type: ignore[union-attr, index, attr-defined]
+
+        node.wait("the journal's disk fills", lambda: "journal's disk is full" in coverage(), 120)
+        line = coverage()
+        assert str(folder) in line and "records wait in the spool" in line, line
+        assert "spool folder is missing" not in line, line
+        code, body = ready(node)
+        assert code == 503 and "journal's disk is full" in body, (code, body)
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(folder)], check=True)
+        node.wait(
+            "every record reaches the journal once the disk grows",
+            lambda: node.metric("kvwatch_spool_records_total") == written,
+            120,
+        )
+        assert node.metric("kvwatch_spool_lost_records_total") == 0
+        assert ready(node)[0] == 200
+        assert "journal's disk is full" not in coverage()
+        listed = node.kvwatch("incidents", "--journal", str(node.journal), "--json")
+        assert listed.returncode == 0, listed.stderr
+    finally:
+        node.stop()
+        node.proc = None
+        subprocess.run(["umount", "-l", str(folder)], check=False)
