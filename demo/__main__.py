@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -177,15 +179,31 @@ def status(stack: Stack) -> None:
     print((done.stdout or done.stderr).rstrip(), flush=True)
 
 
+def kvwatch_command() -> str:
+    """The ``kvwatch`` beside this Python (``.venv/bin/kvwatch``: it is not on the PATH), as the
+    reader can type it from here."""
+    path = Path(sys.executable).parent / "kvwatch"
+    if not path.exists():
+        raise SystemExit(f"python -m demo: {path} is missing: run `make demo` (it installs it)")
+    relative = os.path.relpath(path)
+    return shlex.quote(relative if not relative.startswith("..") else str(path))
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the stack as Ctrl-C does
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m demo", description=__doc__)
     parser.add_argument(
         "--hold",
         action=argparse.BooleanOptionalAction,
-        default=sys.stdin.isatty(),
-        help="keep running until Ctrl-C (default: when on a terminal)",
+        default=True,
+        help="keep running until Ctrl-C or SIGTERM, so that the URLs it lists answer (default)",
     )
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _stop)
+    kvwatch = kvwatch_command()
     alerting = ensure_prometheus()
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-demo-"))
     print(
@@ -203,8 +221,10 @@ def main() -> int:
         if alerting:
             print(f"    Prometheus alerts   {stack.prometheus_url}/alerts")
             print(f"    Alertmanager        {stack.alertmanager_url}")
-        print(f"    incidents           kvwatch incidents --journal {stack.journal}")
-        print(f"    exposed requests    kvwatch incidents --exposed --journal {stack.journal}")
+        journal = shlex.quote(str(stack.journal))
+        print(f"    incidents           {kvwatch} incidents --journal {journal}")
+        print(f"    exposed requests    {kvwatch} incidents --exposed --journal {journal}")
+        print(f"    status              {kvwatch} status --url {stack.daemon_url}")
         print(f"    the engine (SGLang /generate API)  {stack.minipd_url}/generate", flush=True)
         if alerting:
             stack.wait_scraped()
@@ -218,7 +238,7 @@ def main() -> int:
             stack.webhook.wait_for("KVIntegrityMismatch", timeout=60, role="decode")
             time.sleep(1)
         if args.hold:
-            print("\nEverything is still running; Ctrl-C stops it all.", flush=True)
+            print("\nEverything is still running; Ctrl-C (or SIGTERM) stops it all.", flush=True)
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:
