@@ -27,6 +27,9 @@ from kvwatch.ingest.logs.watch import EngineLog
 #: below the Linux ephemeral range, and not a well-known default of any exporter.
 DEFAULT_PORT: Final = 29321
 DEFAULT_LISTEN: Final = f"127.0.0.1:{DEFAULT_PORT}"
+#: Where the unit and the README install the settings: what ``kvwatch status`` reads when
+#: given neither ``--url`` nor ``--config``.
+DEFAULT_CONFIG: Final = "/etc/kvwatch/kvwatch.toml"
 DEFAULT_SPOOL_DIR: Final = "/run/kvwatch/spool"
 DEFAULT_JOURNAL: Final = "/var/lib/kvwatch/journal.db"
 #: The incidents log's file name, beside the journal unless configured.

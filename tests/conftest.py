@@ -18,6 +18,7 @@ SERIAL = (
     "tests/fleet/",
     "tests/e2e/test_pipeline.py",
     "tests/kvwatch/alerting/test_pager.py",
+    "tests/install/test_second_day.py",  # one test installs /etc/kvwatch/kvwatch.toml
 )
 
 

@@ -11,7 +11,7 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO, TypeAlias
 
 from kvwatch import config as configuration
 from kvwatch.commands.clihelp import add_command, fail
@@ -27,6 +27,9 @@ from kvwatch.store import incidents_log
 from kvwatch.store.incident import Finding, Incident, counts, finding_summary, source_key
 from kvwatch.store.incidents_log import ReadResult, iso
 
+if TYPE_CHECKING:
+    from kvwatch.store.journal import AckRow
+
 _COLUMNS = (
     "ID",
     "FIRST SEEN (UTC)",
@@ -38,6 +41,7 @@ _COLUMNS = (
     "FINDINGS",
     "EXPOSED",
     "PAGES",
+    "ACKED",
 )
 _SHOWN_PAGES = 8
 #: The disclosure view's JSON format (``--exposed --json``): its ``v``. 2: a reader is an
@@ -45,13 +49,28 @@ _SHOWN_PAGES = 8
 EXPOSED_VERSION: Final = 2
 
 
-def render(incidents: list[Incident], out: TextIO, *, as_json: bool) -> None:
+#: (node, incident id) -> the acknowledgement that covers it (``kvwatch ack``).
+Acked: TypeAlias = "dict[tuple[str, int | None], AckRow]"
+
+
+def _ack(acked: Acked, incident: Incident) -> dict[str, object] | None:
+    ack = acked.get((incident["node"], incident["id"]))
+    return None if ack is None else {"by": ack.by, "time": ack.ts, "time_iso": iso(ack.ts)}
+
+
+def render(
+    incidents: list[Incident], out: TextIO, *, as_json: bool, acked: Acked | None = None
+) -> None:
+    """The incidents as a table or JSON; ``acknowledged`` (who and when, or none) from the
+    journals' acknowledgements (``acked``), as the status page marks them."""
+    acked = acked or {}
     if as_json:
         stamped = [
             {
                 **i,
                 "time_iso": iso(i["time"]),
                 "last_time_iso": iso(i["last_time"]),
+                "acknowledged": _ack(acked, i),
             }
             for i in incidents
         ]
@@ -74,6 +93,7 @@ def render(incidents: list[Incident], out: TextIO, *, as_json: bool) -> None:
                 findings,
                 str(i["exposed"]),
                 _pages(i),
+                _acked_cell(_ack(acked, i)),
             )
         )
     _table(table, out)
@@ -85,6 +105,10 @@ def render(incidents: list[Incident], out: TextIO, *, as_json: bool) -> None:
 
 
 _SHOWN_FINDINGS = 4
+
+
+def _acked_cell(ack: dict[str, object] | None) -> str:
+    return "-" if ack is None else f"{ack['by']} {ack['time_iso']}"
 
 
 def _pages(incident: Incident) -> str:
@@ -299,24 +323,34 @@ class _ReadError(Exception):
 
 def _from_journals(
     journals: list[str], since: float | None, until: float | None, detector: str | None
-) -> list[list[Finding]]:
+) -> tuple[list[list[Finding]], Acked]:
+    from kvwatch.expose.status import acknowledgement
+    from kvwatch.store import incident as incidents
     from kvwatch.store.journal import Journal, JournalError
 
     found: list[list[Finding]] = []
+    acked: Acked = {}
     for path in journals:
         try:
             journal = Journal(path, readonly=True)
             try:
                 # The absolute time: a "since" given as a timestamp must not drift by the
                 # query's own latency.
-                found.append(journal.incidents(since=since, until=until, detector=detector))
+                rows = journal.incidents(since=since, until=until, detector=detector)
+                found.append(rows)
+                # An acknowledgement is its journal's: matched to that journal's incidents.
+                acks = journal.acks()
+                for incident in incidents.group(rows) if acks else ():
+                    ack = acknowledgement(acks, incident)
+                    if ack is not None:
+                        acked[(incident["node"], incident["id"])] = ack
             finally:
                 journal.close()
         except JournalError as exc:  # it names the journal
             raise _ReadError(str(exc)) from None
         except (sqlite3.Error, OSError) as exc:
             raise _ReadError(f"cannot read the journal {path}: {exc}") from None
-    return found
+    return found, acked
 
 
 def _from_logs(paths: list[str]) -> ReadResult:
@@ -367,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return fail("incidents", problem)
     try:
-        found = _from_journals(journals, since, until, args.detector)
+        found, acked = _from_journals(journals, since, until, args.detector)
         read = _from_logs(logs)
     except _ReadError as exc:
         return fail("incidents", str(exc))
@@ -378,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         view = exposure(grouped, since=since, until=until)
         render_exposure(view, sys.stdout, as_json=args.json)
     else:
-        render(grouped, sys.stdout, as_json=args.json)
+        render(grouped, sys.stdout, as_json=args.json, acked=acked)
     return 1 if read.skipped else 0
 
 

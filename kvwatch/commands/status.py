@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.parse
@@ -23,11 +24,17 @@ STATUS_MAX_TIMEOUT = 3600.0
 def status_url(args: argparse.Namespace) -> str:
     if args.url:
         return _daemon_url(str(args.url))
-    listen = configuration.load(args.config).listen if args.config else configuration.DEFAULT_LISTEN
-    host, port = configuration.parse_listen(listen)
+    path = args.config
+    if not path and os.path.exists(configuration.DEFAULT_CONFIG):
+        path = configuration.DEFAULT_CONFIG  # the installed daemon's, as the unit starts it
+    settings = configuration.load(path) if path else None
+    host, port = configuration.parse_listen(
+        settings.listen if settings else configuration.DEFAULT_LISTEN
+    )
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1"  # every interface includes loopback
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    scheme = "https" if settings and settings.tls_cert_file else "http"
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def _daemon_url(text: str) -> str:
@@ -106,7 +113,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         f"--config's listen, else "
         f"{configuration.DEFAULT_LISTEN})",
     )
-    status.add_argument("--config", help="the daemon's TOML config, to find its listen address")
+    status.add_argument(
+        "--config",
+        help="the daemon's TOML config, to find its listen address "
+        f"(default: {configuration.DEFAULT_CONFIG} when it exists)",
+    )
     status.add_argument("--json", action="store_true", help="the summary as JSON")
     status.add_argument(
         "--color",

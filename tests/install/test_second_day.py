@@ -7,8 +7,11 @@ engine user in its group, a user outside it.
 
 from __future__ import annotations
 
+import contextlib
 import grp
+import json
 import pwd
+import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -70,6 +73,13 @@ def test_permission_problems_name_who_may_read_and_who_may_acknowledge(
     assert acked.returncode == 0, acked.stderr
     node.wait("ack clears the alarm", lambda: node.status()[0] != 4)
     assert node.status()[1]["integrity"]["acknowledged"] > 0  # type: ignore[index]
+    # ... and `incidents` (table and JSON) says who acknowledged each, when.
+    listed = as_(member, plain, "incidents", "--journal", journal, "--json")
+    assert listed.returncode == 0, listed.stderr
+    shown = json.loads(listed.stdout)
+    assert shown and all(i["acknowledged"]["by"] == node.user for i in shown), shown
+    table = as_(member, plain, "incidents", "--journal", journal).stdout
+    assert "ACKED" in table.splitlines()[0] and f" {node.user} 20" in table, table
 
 
 WRITE_AS_A_NEWER_ENGINE = r"""
@@ -191,3 +201,42 @@ def test_a_full_journal_disk_names_itself_and_loses_nothing(
         node.stop()
         node.proc = None
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_each_incident_is_one_log_line_and_status_reads_the_installed_config(
+    node: Node, users: Users, engine: Path, plain: Path
+) -> None:
+    """The daemon logs one structured line per incident (its id as ``kvwatch incidents`` shows
+    it, the request, the node), and ``kvwatch status`` with no flags finds the daemon through
+    ``/etc/kvwatch/kvwatch.toml``, where the README installs it (this node listens elsewhere
+    than the default port)."""
+    installed = Path("/etc/kvwatch/kvwatch.toml")
+    assert not installed.exists(), (
+        "a kvwatch is installed on this machine: the test would clobber it"
+    )
+    node.start()
+    walkthrough(engine, users.add("e", node.user), node.spool, node.root / "home-e")
+    node.wait("the findings reach the journal", lambda: node.status()[0] == 4)
+    listed = node.kvwatch("incidents", "--journal", str(node.journal), "--json")
+    assert listed.returncode == 0, listed.stderr
+    incidents = json.loads(listed.stdout)
+    logged = [
+        json.loads(line) for line in node.log().splitlines()
+        if line.startswith("{") and json.loads(line).get("event") == "spool.incident"
+    ]  # fmt: skip
+    assert incidents and len(logged) == len(incidents), (logged, incidents)
+    assert {(e["id"], e["request_id"], e["node"]) for e in logged} == {
+        (i["id"], i["request_id"], i["node"]) for i in incidents
+    }
+
+    installed.parent.mkdir(exist_ok=True)
+    try:
+        shutil.copy(node.config, installed)
+        installed.chmod(0o644)
+        result = as_(node.user, plain, "status", "--json")
+        assert result.returncode == 4, (result.returncode, result.stdout, result.stderr)
+        assert json.loads(result.stdout)["integrity"]["affected"] == len(incidents)
+    finally:
+        installed.unlink()
+        with contextlib.suppress(OSError):
+            installed.parent.rmdir()

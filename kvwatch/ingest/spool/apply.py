@@ -113,6 +113,7 @@ class RecordApplier(SpoolDirectory):
         event_part = _EVENT_PART
         join, affected = self._joiner.join, 0
         self._count_peers()
+        opened, at = self._batch.opened, len(self._batch.findings)
         for e, ts in self._events:
             row = Finding(
                 None, ts, node, name, e.seq, role, engine, version, model, rank, *event_part(e)
@@ -126,6 +127,8 @@ class RecordApplier(SpoolDirectory):
             seen.append(what)
             key, new = join(node, e.request_id, e.instance or "", what, ts)
             affected += new
+            if new:
+                opened.append(at + len(rows) - 1)
             if e.sources or e.other_sources:
                 self._exposures(producer, e, key)
         if affected:

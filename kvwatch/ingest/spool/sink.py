@@ -129,10 +129,26 @@ class BatchSink:
         if not batch:
             return
         stored = self.journal.commit(batch, self.state)
-        incidents = len(batch.findings)
         self._batch = Batch()
         self._batch_started = time.monotonic()
         if stored is not None and self.on_stored is not None:
             self.on_stored(stored)
-        if incidents:
-            self.log.warning("spool.incidents_recorded", count=incidents)
+        # One line per incident (a newly affected request), as ``kvwatch incidents`` lists it;
+        # its later findings join it there and are not logged again.
+        first = stored.first if stored is not None else 0
+        for at in batch.opened:
+            f = batch.findings[at]
+            self.log.warning(
+                "spool.incident",
+                id=first + at if first else None,
+                node=f.node,
+                role=f.role,
+                engine=f.engine,
+                request_id=f.request_id,
+                instance=f.instance,
+                detector=f.detector,
+                kind=f.kind,
+                pages=f.pages_total,
+            )
+        if batch.findings:
+            self.log.info("spool.findings_recorded", count=len(batch.findings))

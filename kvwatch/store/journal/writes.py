@@ -166,6 +166,8 @@ class Batch:
     records: list[tuple[int, int, str, float]] = field(default_factory=list)
     #: Findings to store; their sources become ``exposures`` rows.
     findings: list[Finding] = field(default_factory=list)
+    #: Indexes in ``findings`` of those that opened an incident (a newly affected request).
+    opened: list[int] = field(default_factory=list)
     rejects: list[RejectRow] = field(default_factory=list)
     gaps: list[tuple[float, str, int, int]] = field(default_factory=list)
     segments: dict[str, Segment] = field(default_factory=dict)
