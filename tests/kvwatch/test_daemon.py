@@ -145,10 +145,17 @@ def test_daemon_end_to_end(daemon: DaemonProcess, tmp_path: Path) -> None:
     events = [e["event"] for e in daemon.events()]
     assert events[-1] == "daemon.stopped"
     assert "daemon.stopping" in events
-    # Logs are JSON, one object a line, and carry no request ids.
+    # Logs are JSON, one object a line, and carry no request ids but in the one line per
+    # incident (its id, request and node: what on-call greps for), once per incident.
+    opened = []
     for line in daemon.output().splitlines():
-        assert json.loads(line)["level"]
-        assert "req-" not in line
+        entry = json.loads(line)
+        assert entry["level"]
+        if entry["event"] == "spool.incident":
+            opened.append(entry["request_id"])
+        else:
+            assert "req-" not in line
+    assert sorted(opened) == ["req-0", "req-1", "req-2"]  # the table's 3 incidents
 
 
 def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
