@@ -129,10 +129,11 @@ class SpoolWriter:
         self._seq += 1
         return encode_frame(self._payload(record_type, fields, self._seq))
 
-    def _refused(self, record_type: str, fields: dict[str, Any]) -> bool:
-        """True (counted ``invalid``, told once; ``oversize``) for a record the daemon's reader
-        would reject: one the schema refuses, or a hello or seal, which only the writer itself
-        writes where they belong. It takes no sequence number: refused here, not lost there."""
+    def _checked(self, record_type: str, fields: dict[str, Any]) -> bytes | None:
+        """The record's payload, numbered ``seq + 1``; None (counted ``invalid``, told once;
+        ``oversize``) for one the daemon's reader would reject: one the schema refuses, or a
+        hello or seal, which only the writer itself writes where they belong. A refused record
+        takes no sequence number: refused here, not lost there."""
         why = ""
         if record_type in (records.HELLO, records.NEXT_SEGMENT):
             why = f"a {record_type} record is the writer's own"
@@ -141,14 +142,13 @@ class SpoolWriter:
                 payload = self._payload(record_type, fields, self._seq + 1)
                 if len(payload) > records.MAX_RECORD_BYTES:
                     self.dropped["oversize"] += 1
-                    return True
+                    return None
                 decode_payload(payload)
+                return payload
             except SchemaError as exc:
                 why = str(exc)
             except (TypeError, ValueError, OverflowError) as exc:
                 why = f"not encodable: {exc}"
-        if not why:
-            return False
         self.dropped["invalid"] += 1
         if not self._told_invalid:
             self._told_invalid = True
@@ -159,21 +159,27 @@ class SpoolWriter:
                 record_type[:32],
                 why[:200],
             )
-        return True
+        return None
 
     def _write_locked(self, record_type: str, fields: dict[str, Any]) -> bool:
         if self._closed:
             self._seq += 1
             self.dropped["closed"] += 1
             return False
-        if self._refused(record_type, fields):
+        payload = self._checked(record_type, fields)
+        if payload is None:
             return False
+        numbered = self._seq + 1
         if self._fd is not None and time.monotonic() >= self._next_check:
             self._check_segment_still_there()
         if self._fd is None and not self._open_segment():
             self._seq += 1  # the lost record leaves a gap the daemon counts
             return False
-        frame = self._frame(record_type, fields)
+        if self._seq + 1 == numbered:  # no hello took its number: the checked payload as is
+            self._seq = numbered
+            frame = encode_frame(payload)
+        else:
+            frame = self._frame(record_type, fields)
         if self._size + len(frame) > self.segment_bytes:
             self._seq -= 1  # re-framed below, after the seal and the next segment's hello
             self._rotate()
