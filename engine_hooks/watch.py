@@ -82,6 +82,7 @@ from engine_hooks.flushing import Snapshots
 from engine_hooks.hookpoints import HOOKS
 from engine_hooks.hookpoints import hook as _hook
 from engine_hooks.labels import Detector, Hook, Kind, Skip
+from engine_hooks.options import mode_label
 from engine_hooks.pagestate import Ints, PageState, page_state
 from engine_hooks.pool import PagedKVPool, PageIds
 from engine_hooks.reporting import Reporter, stopped
@@ -91,7 +92,7 @@ from engine_hooks.spool import SpoolWriter
 from engine_hooks.takers import Takers
 from engine_hooks.tickets import RequestKeys, Ticket, instances_of, new_instance, owners_of
 from kvspool.catalogue import HOOKED_DETECTORS
-from kvspool.records import Source
+from kvspool.records import MAX_CONFIG_ERRORS, Source
 
 __all__ = ["HOOKS", "KVWatch", "RequestKeys", "Scrub", "Ticket", "new_instance"]
 
@@ -123,7 +124,11 @@ class KVWatch:
         spool: SpoolWriter | str | Path | None = None,
         flush_interval: float = 1.0,
         scrub: Scrub | str = Scrub.OFF,
+        config_errors: Sequence[str] = (),
     ) -> None:
+        """``config_errors``: the engine's settings that were invalid (catalogue SETTING names,
+        from :class:`engine_hooks.options.Options`), carried on every hello with the mode and
+        scrub the hooks run with."""
         self.pool = pool
         self.role = role
         self.modes = _modes(mode)
@@ -138,6 +143,12 @@ class KVWatch:
                 model=model,
                 engine_version=engine_version,
                 rank=rank,
+            )
+        if spool is not None:
+            spool.identity.update(
+                mode=mode_label(self.modes.values()),
+                scrub=self.scrub.value,
+                config_errors=list(config_errors)[:MAX_CONFIG_ERRORS],
             )
         self.spool = spool
         self._admission = Admission(self._stats, self.modes[Admission.name])

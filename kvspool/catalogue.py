@@ -137,6 +137,45 @@ DROP_REASON: Final = _label(
         "invalid": "the record is one the daemon would reject (its schema, or a hello or seal)",
     },
 )
+#: An engine's kvwatch settings, the same names for every engine (``kvwatch_engine_config_errors``):
+#: its log names each as it was set (SGLang's ``KVWATCH_MODE``, the vLLM connector's ``mode``).
+SETTING: Final = _label(
+    "setting",
+    {
+        "mode": "the detectors' mode: off, log or enforce",
+        "mode_canary": "the canary detector's own mode",
+        "mode_checksum": "the checksum detector's own mode",
+        "mode_page_tag": "the page_tag detector's own mode",
+        "mode_admission": "the admission detector's own mode",
+        "scrub": "when freed or reserved pages are overwritten: off, on_free or on_reserve",
+        "flush_interval": "seconds between the hooks' counter and gauge records",
+        "freed_watch_s": "seconds an aborted transfer's released pages are watched",
+        "resolve_interval_s": "seconds between the vLLM worker's resolutions of device checks",
+        "step_check": "whether the SGLang scheduler's every step is checked",
+        "option": "a setting kvwatch does not know (a misspelt name)",
+    },
+)
+#: What the detectors of one engine process run as (``kvwatch_engine_info{mode}``): ``mixed``
+#: when per-detector settings differ from the engine's mode.
+MODE: Final = _label(
+    "mode",
+    {
+        "off": "no detector runs",
+        "log": "findings are recorded and page; requests are not failed",
+        "enforce": "findings are recorded and page, and the request is failed",
+        "mixed": "detectors run in different modes (per-detector settings)",
+        "none": "no kvwatch hooks say so (an engine seen only in its logs, or older hooks)",
+    },
+)
+SCRUB: Final = _label(
+    "scrub",
+    {
+        "off": "pages are not overwritten",
+        "on_free": "pages are overwritten when freed",
+        "on_reserve": "pages are overwritten when reserved",
+        "none": "no kvwatch hooks say so (an engine seen only in its logs, or older hooks)",
+    },
+)
 #: Why the daemon rejected a frame, record or file (``kvwatch_spool_rejected_total{reason}``).
 REJECT_REASON: Final = Label(
     "reason",
@@ -320,8 +359,17 @@ DAEMON_FAMILIES: Final = (
     Family(
         "kvwatch_engine_info",
         "gauge",
-        "The engines kvwatch sees; the value is 1.",
-        ("engine", "version", "role", "model"),
+        "The engines kvwatch sees, with the mode their detectors run in and their scrub setting;"
+        " the value is 1.",
+        ("engine", "version", "role", "model", "mode", "scrub"),
+    ),
+    Family(
+        "kvwatch_engine_config_errors",
+        "gauge",
+        "Live engine processes that started with an invalid kvwatch setting, by role and"
+        " setting: each runs with its documented fallback (a bad mode as log) and its log names"
+        " the value.",
+        ("role", "setting"),
     ),
     Family("kvwatch_unsafe_band_tokens", "gauge", UNSAFE_BAND_HELP, ENGINE_LABELS),
     Family(

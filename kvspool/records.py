@@ -29,6 +29,8 @@ MAX_EVENT_SOURCES: Final = 16
 MAX_STRING_CHARS: Final = 256
 MAX_DETAIL_ITEMS: Final = 256
 MAX_SERIES: Final = 4096
+#: A hello names at most this many invalid settings (a catalogue SETTING each).
+MAX_CONFIG_ERRORS: Final = 32
 INT64_MIN: Final = -(1 << 63)
 INT64_MAX: Final = (1 << 63) - 1
 #: Counter and gauge values: any count or number of seconds, and sums of millions of them stay
@@ -77,6 +79,12 @@ class Hello(_Record, tag=HELLO, frozen=True, gc=False):
     page_size: Int64 = 0
     kv_canary: Text = ""
     kv_checksum: bool = False
+    # How its hooks run (``kvwatch_engine_info{mode,scrub}``): the engine's mode (a catalogue
+    # MODE value), its scrub setting, and the settings it started with that were invalid (each
+    # a catalogue SETTING, run with its documented fallback).
+    mode: Text = ""
+    scrub: Text = ""
+    config_errors: Annotated[tuple[Text, ...], Meta(max_length=MAX_CONFIG_ERRORS)] = ()
 
 
 def _series_type(series: catalogue.Series) -> type[Struct]:

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 
 from engine_hooks import Mode
-from engine_hooks.scrub import Scrub, parse_scrub
+from engine_hooks.options import Options
+from engine_hooks.scrub import Scrub
 from engine_hooks.spool import DEFAULT_SPOOL_DIR
 from engine_hooks.takers import DEFAULT_FREED_WATCH_S
 from kvspool.catalogue import HOOKED_DETECTORS
@@ -28,6 +29,8 @@ class Settings:
     #: How long an aborted transfer's pages released on a timeout are watched for the requests
     #: that take them: ``KVWATCH_FREED_WATCH_S`` (see :mod:`engine_hooks.sglang.drain`).
     freed_watch_s: float = DEFAULT_FREED_WATCH_S
+    #: The settings that were invalid (catalogue SETTING names), each run with its fallback.
+    config_errors: tuple[str, ...] = ()
 
     @property
     def off(self) -> bool:
@@ -44,38 +47,46 @@ class Settings:
         return out
 
 
-def _mode(text: str, default: Mode) -> Mode:
-    try:
-        return Mode(text.strip().lower())
-    except ValueError:
-        return default
-
-
 def from_env(environ: dict[str, str] | None = None) -> Settings:
+    """The settings from ``environ`` (the process's), each checked (:mod:`engine_hooks.options`):
+    a bad value is one error line here and a config error on the engine's hellos."""
     env = dict(os.environ if environ is None else environ)
-    mode = _mode(env.get("KVWATCH_MODE", "log"), Mode.LOG)
+    check = Options(logger)
+    mode = check.mode("mode", "KVWATCH_MODE", env.get("KVWATCH_MODE", "log"), Mode.LOG)
     # A per-detector override names a hooked detector: ``KVWATCH_MODE_CANARY=enforce``.
+    overrides = {f"KVWATCH_MODE_{name.upper()}": name for name in HOOKED_DETECTORS}
     per = {
-        name: _mode(env[f"KVWATCH_MODE_{name.upper()}"], mode)
-        for name in HOOKED_DETECTORS
-        if f"KVWATCH_MODE_{name.upper()}" in env
+        name: check.mode(f"mode_{name}", variable, env[variable], mode)
+        for variable, name in overrides.items()
+        if variable in env
     }
-    try:
-        interval = max(0.1, float(env.get("KVWATCH_FLUSH_INTERVAL", "1.0")))
-    except ValueError:
-        interval = 1.0
-    try:
-        freed_watch_s = max(0.0, float(env.get("KVWATCH_FREED_WATCH_S", DEFAULT_FREED_WATCH_S)))
-    except ValueError:
-        freed_watch_s = DEFAULT_FREED_WATCH_S
-    scrub = parse_scrub(env.get("KVWATCH_SCRUB", "off").strip() or "off", "KVWATCH_SCRUB", logger)
+    check.unknown(
+        (v for v in env if v.startswith("KVWATCH_MODE_") and v not in overrides),
+        overrides,
+        "",
+    )
+    interval = check.seconds(
+        "flush_interval", "KVWATCH_FLUSH_INTERVAL", env.get("KVWATCH_FLUSH_INTERVAL", 1.0), 1.0, 0.1
+    )
+    freed_watch_s = check.seconds(
+        "freed_watch_s",
+        "KVWATCH_FREED_WATCH_S",
+        env.get("KVWATCH_FREED_WATCH_S", DEFAULT_FREED_WATCH_S),
+        DEFAULT_FREED_WATCH_S,
+        0.0,
+    )
+    scrub = check.scrub("scrub", "KVWATCH_SCRUB", env.get("KVWATCH_SCRUB", "off"))
+    step_check = check.flag(
+        "step_check", "KVWATCH_STEP_CHECK", env.get("KVWATCH_STEP_CHECK", "1"), True
+    )
     return Settings(
         mode=mode,
         detector_modes=per,
         spool=env.get("KVWATCH_SPOOL", DEFAULT_SPOOL_DIR),
         flush_interval=interval,
-        step_check=env.get("KVWATCH_STEP_CHECK", "1").strip() not in ("0", "false", "no", "off"),
+        step_check=step_check,
         role=env.get("KVWATCH_ROLE", ""),
         scrub=scrub,
         freed_watch_s=freed_watch_s,
+        config_errors=tuple(check.errors),
     )

@@ -100,6 +100,7 @@ class Runtime:
             spool=spool,
             flush_interval=self.settings.flush_interval,
             scrub=self.settings.scrub,
+            config_errors=self.settings.config_errors,
         )
         with self._lock:
             self.all_watches.append(watch)

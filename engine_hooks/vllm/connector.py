@@ -18,7 +18,8 @@ nothing would return.
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -29,10 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch, Scrub
+from engine_hooks import DEFAULT_SPOOL_DIR, KVWatch, Mode, Scrub
 from engine_hooks.heads import head_range
 from engine_hooks.labels import Detector, Hook, Skip
-from engine_hooks.scrub import parse_scrub
+from engine_hooks.options import Options
 from engine_hooks.takers import DEFAULT_FREED_WATCH_S
 from engine_hooks.vllm.guard import logger, safe
 from engine_hooks.vllm.layout import dtype_name, head_views, kv_pool
@@ -40,12 +41,33 @@ from engine_hooks.vllm.layout import signature as layout_signature
 from engine_hooks.vllm.metadata import KVWatchMetadata
 from engine_hooks.vllm.scheduler import SchedulerSide
 from engine_hooks.vllm.worker import WorkerSide
+from kvspool.catalogue import HOOKED_DETECTORS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "unified"}
+#: The keys of the kvwatch child's ``kv_connector_extra_config`` (engine_hooks/vllm/README.md).
+_OPTIONS: Final = frozenset(
+    {"spool", "mode", "role", "model", "resolve_interval_s", "node", "transport"}
+    | {"freed_watch_s", "scrub"}
+)
+
+
+def _modes(check: Options, where: str, value: Any) -> Mode | dict[str, Mode]:
+    """The ``mode`` option: one mode, or per detector (``{"default": "log", "checksum":
+    "enforce"}``), each value checked."""
+    if not isinstance(value, Mapping):
+        return check.mode("mode", where, value, Mode.LOG)
+    default = check.mode("mode", f"{where}.default", value.get("default", "log"), Mode.LOG)
+    out: dict[str, Mode] = {"default": default}
+    names = set(HOOKED_DETECTORS)
+    check.unknown(set(map(str, value)) - names - {"default"}, names | {"default"}, f"{where}.")
+    for name in HOOKED_DETECTORS:
+        if name in value:
+            out[name] = check.mode(f"mode_{name}", f"{where}.{name}", value[name], default)
+    return out
 
 
 def _vllm_version() -> str:
@@ -71,13 +93,31 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
         self.model = str(extra.get("model") or getattr(model_config, "served_model_name", "") or "")
         spool = extra.get("spool", DEFAULT_SPOOL_DIR)
         self.spool_dir: str | None = str(spool) if spool else None
-        self.mode: Any = extra.get("mode", "log")
-        self.scrub = parse_scrub(extra.get("scrub", Scrub.OFF), "scrub", logger)
-        self.resolve_interval = float(extra.get("resolve_interval_s", 1.0))
+        # Each option checked (engine_hooks.options): a bad one is an error line and a config
+        # error on this process's hellos, never a silent default.
+        check = Options(logger)
+        where = "kv_connector_extra_config."
+        check.unknown(set(extra) - _OPTIONS, _OPTIONS, where)
+        self.mode = _modes(check, where + "mode", extra.get("mode", "log"))
+        self.scrub = check.scrub("scrub", where + "scrub", extra.get("scrub", Scrub.OFF))
+        self.resolve_interval = check.seconds(
+            "resolve_interval_s",
+            where + "resolve_interval_s",
+            extra.get("resolve_interval_s", 1.0),
+            1.0,
+            0.0,
+        )
         # Who this engine is to its peers (their findings name it), and the transport's name.
         self.node = str(extra.get("node") or socket.gethostname())[:128]
         self.transport = str(extra.get("transport") or "")
-        self.freed_watch_s = float(extra.get("freed_watch_s", DEFAULT_FREED_WATCH_S))
+        self.freed_watch_s = check.seconds(
+            "freed_watch_s",
+            where + "freed_watch_s",
+            extra.get("freed_watch_s", DEFAULT_FREED_WATCH_S),
+            DEFAULT_FREED_WATCH_S,
+            0.0,
+        )
+        self.config_errors = tuple(check.errors)
         self.rank = _tp_rank(vllm_config)
         parallel = getattr(vllm_config, "parallel_config", None)
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
@@ -108,6 +148,7 @@ class KVWatchConnector(KVConnectorBase_V1, SupportsHMA):
             mode=self.mode,
             spool=self.spool_dir,
             scrub=self.scrub,
+            config_errors=self.config_errors,
         )
 
     @safe(Hook.STARTUP)

@@ -491,6 +491,25 @@ ALERTS: tuple[Alert, ...] = (
         ),
     ),
     Alert(
+        name="KVEngineMisconfigured",
+        severity="critical",
+        expr=_q(
+            f"""
+            max by (node, role, setting) ({exposed("engine_config_errors")}) > 0
+            """
+        ),
+        summary="An engine started with an invalid kvwatch setting: its hooks run with the "
+        "setting's fallback (a bad mode as log), which may not be what was meant.",
+        description=(
+            '{{ $value | printf "%.0f" }} engine process(es), '
+            + _WHERE
+            + ", started with an invalid kvwatch setting {{ $labels.setting }}; each runs with "
+            "its fallback "
+            "(a misspelt enforce runs as log: leaks are recorded, not failed). The engine's log "
+            "names the value; kvwatch status names the process."
+        ),
+    ),
+    Alert(
         name="KVSpoolSegmentsIgnored",
         severity="critical",
         expr=_q(

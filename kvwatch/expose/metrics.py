@@ -32,6 +32,15 @@ from kvwatch.store.state import (
 )
 
 _ROLE, _ENGINE = catalogue.ROLE.bound, catalogue.ENGINE.bound
+#: ``kvwatch_engine_info``: (engine, version, role, model, mode, scrub).
+EngineInfo = tuple[str, str, str, str, str, str]
+
+
+def _hooks_label(label: catalogue.Label, value: str) -> str:
+    """A MODE or SCRUB label value; ``none`` where no hooks said (an engine's logs only)."""
+    return label.bound(value) if value else "none"
+
+
 _ENGINE_LABELS: Final = catalogue.ENGINE_LABELS
 
 
@@ -214,6 +223,10 @@ class KvwatchCollector(Collector):
         for row in sorted(info):
             engine_info.add_metric(list(row), 1.0)
         yield engine_info
+        config = _family("kvwatch_engine_config_errors")
+        for (role, setting), count in sorted(config_errors(self.state).items()):
+            config.add_metric([role, setting], float(count))
+        yield config
         verified = _family("kvwatch_rank_verifications")
         skipped = _family("kvwatch_rank_verifications_skipped")
         for key, rows in sorted(coverage.items()):
@@ -247,11 +260,25 @@ _MODE_OFF: Final = catalogue.SKIP_REASON.check("mode_off")
 
 def engine_views(
     state: State,
-) -> tuple[dict[LabelKey, dict[str, float]], set[tuple[str, str, str, str]]]:
+) -> tuple[dict[LabelKey, dict[str, float]], set[EngineInfo]]:
     """The engines' pool/context gauges by (role, engine, model, rank, source), newest producer
-    first, and the (engine, version, role, model) rows of ``kvwatch_engine_info``."""
+    first, and the rows of ``kvwatch_engine_info`` (:data:`EngineInfo`)."""
     latest, info, _ = engine_ranks(state)
     return latest, info
+
+
+def config_errors(state: State) -> dict[tuple[str, str], int]:
+    """Per (role, catalogue SETTING), each pair 0 included, the live engine processes that
+    started with that setting invalid."""
+    out = {
+        (role, setting): 0 for role in catalogue.ROLE.values for setting in catalogue.SETTING.values
+    }
+    with state.lock:
+        for producer in state.producers.values():
+            if not producer.retired:
+                for setting in set(producer.config_errors):
+                    out[(_ROLE(producer.role), catalogue.SETTING.bound(setting))] += 1
+    return out
 
 
 def rank_coverage(state: State) -> RankCoverage:
@@ -263,14 +290,14 @@ def rank_coverage(state: State) -> RankCoverage:
 
 def engine_ranks(
     state: State, *, retired: bool = True
-) -> tuple[dict[LabelKey, dict[str, float]], set[tuple[str, str, str, str]], RankCoverage]:
+) -> tuple[dict[LabelKey, dict[str, float]], set[EngineInfo], RankCoverage]:
     """:func:`engine_views` and the per-rank coverage in one pass (one bounding of labels).
 
     With ``retired`` the coverage of each live rank also holds its retired processes' counts,
     so the ``kvwatch_rank_verifications*`` counters never go down while the rank serves (a rank
     whose process restarts keeps its series; the old process's counts stay in it)."""
     latest: dict[LabelKey, tuple[float, dict[str, float]]] = {}
-    info: set[tuple[str, str, str, str]] = set()
+    info: set[EngineInfo] = set()
     coverage: RankCoverage = {}
     # The first N values of each unbounded label among what is live now, oldest producer first:
     # a slot taken by a producer that is gone (junk included) is free again.
@@ -282,7 +309,9 @@ def engine_ranks(
             role = _ROLE(producer.role)
             engine = _ENGINE(producer.engine)
             model = models(producer.model)
-            info.add((engine, versions(producer.engine_version), role, model))
+            mode = _hooks_label(catalogue.MODE, producer.mode)
+            scrub = _hooks_label(catalogue.SCRUB, producer.scrub)
+            info.add((engine, versions(producer.engine_version), role, model, mode, scrub))
             key: LabelKey = (role, engine, model, ranks(producer.rank), "hooks")
             newer = key not in latest or latest[key][0] <= producer.last_ts
             if producer.gauges and newer:
@@ -305,7 +334,7 @@ def engine_ranks(
             engine = _ENGINE(logged.engine)
             model = models(logged.model)
             if logged.version:
-                info.add((engine, versions(logged.version), role, model))
+                info.add((engine, versions(logged.version), role, model, "none", "none"))
             if logged.gauges:
                 latest[(role, engine, model, ranks(logged.rank), "log")] = (0.0, logged.gauges)
     gauges = {key: values for key, (_, values) in latest.items()}

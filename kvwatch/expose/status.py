@@ -197,7 +197,7 @@ def health(state: State) -> Health:
 
 @dataclass(frozen=True)
 class Check:
-    name: str  # integrity, unsafe_band, coverage, freshness
+    name: str  # integrity, spool_access, unsafe_band, coverage, engine_config, freshness
     level: str  # one of LEVELS
     line: str  # what an on-call needs to read
 
@@ -226,7 +226,7 @@ class Summary:
 
 
 def summarize(state: State, alarm: Alarm, now: float | None = None) -> Summary:
-    """The five checks, from the daemon's state and the integrity alarm (:func:`alarm`)."""
+    """The six checks, from the daemon's state and the integrity alarm (:func:`alarm`)."""
     now = time.time() if now is None else now
     h = health(state)
     checks = [
@@ -234,6 +234,7 @@ def summarize(state: State, alarm: Alarm, now: float | None = None) -> Summary:
         spool_access(state),
         _band(state),
         _coverage(state, h),
+        engine_config(state),
         _freshness(h, now),
     ]
     return Summary(tuple(checks))
@@ -400,6 +401,33 @@ def _coverage(state: State, h: Health) -> Check:
             + " (kvwatch_rank_verifications_skipped_total says where)",
         )
     return Check("coverage", "ok", f"{h.live_producers} live producer(s), every detector verifies")
+
+
+def engine_config(state: State) -> Check:
+    """An alarm while a live engine process started with an invalid kvwatch setting: it runs with
+    the setting's fallback (a bad mode as log), which may not be what its operator meant (an
+    ``enforce`` misspelt serves every request it should fail)."""
+    with state.lock:
+        bad = sorted(
+            (p for p in state.producers.values() if p.config_errors and not p.retired),
+            key=lambda p: p.id,
+        )
+    if not bad:
+        return Check("engine_config", "ok", "every live engine's kvwatch settings are valid")
+    lines = [
+        f"{p.engine or '-'} {p.role or '-'} rank {p.rank} on {p.node or '-'} (pid {p.pid}): "
+        + ", ".join(p.config_errors)
+        for p in bad[:3]
+    ]
+    more = f"; +{len(bad) - 3} more" if len(bad) > 3 else ""
+    return Check(
+        "engine_config",
+        "alarm",
+        "invalid kvwatch settings, run with their fallbacks (a bad mode as log): "
+        + "; ".join(lines)
+        + more
+        + " (the engine's log names each value; fix them and restart the engine)",
+    )
 
 
 def idle_ranks(coverage: RankCoverage) -> list[str]:

@@ -73,6 +73,11 @@ class Producer:
     first_seen: float = 0.0
     last_ts: float = 0.0
     last_seq: int = 0
+    #: How its hooks run, from its hello: the catalogue MODE of its detectors, its scrub setting,
+    #: and the settings it started with that were invalid (catalogue SETTING names).
+    mode: str = ""
+    scrub: str = ""
+    config_errors: tuple[str, ...] = ()
     #: The latest cumulative counter snapshot, as the record carried it.
     counters: list[CounterSeries] = field(default_factory=list)
     gauges: dict[str, float] = field(default_factory=dict)

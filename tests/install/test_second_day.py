@@ -240,3 +240,69 @@ def test_each_incident_is_one_log_line_and_status_reads_the_installed_config(
         installed.unlink()
         with contextlib.suppress(OSError):
             installed.parent.rmdir()
+
+
+#: An engine's start as SGLang's plugin makes it (its settings from the environment, the hooks
+#: given them): it stays up until its stdin closes, so its producer is live while checked.
+ENGINE_WITH_SETTINGS = r"""
+import logging, sys
+from engine_hooks import KVWatch
+from engine_hooks.sglang.config import from_env
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+settings = from_env()
+watch = KVWatch(None, role="prefill", engine="sglang", model="m", mode=settings.modes(),
+                spool=settings.spool, scrub=settings.scrub, config_errors=settings.config_errors)
+watch.report_pool(4096, 2048, 16)
+watch.flush()
+print(settings.mode.value, settings.flush_interval, ",".join(settings.config_errors), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_misspelt_setting_is_an_error_line_an_alarm_and_an_alert_series(
+    node: Node, users: Users, engine: Path
+) -> None:
+    """``KVWATCH_MODE=enforse`` and ``KVWATCH_FLUSH_INTERVAL=1s``: the engine's log says each
+    (variable, value, valid ones, what it runs as), the engine runs in ``log`` mode, and the
+    daemon shows it: ``kvwatch status`` ALARM naming the process and settings,
+    ``kvwatch_engine_config_errors{setting}`` (what KVEngineMisconfigured pages on) and
+    ``kvwatch_engine_info{mode,scrub}``; the alarm clears when the engine is gone."""
+    engine_user = users.add("e", node.user)
+    node.start()
+    env = {
+        "PATH": "/usr/bin:/bin", "KVWATCH_SPOOL": str(node.spool), "KVWATCH_MODE": "enforse",
+        "KVWATCH_FLUSH_INTERVAL": "1s", "KVWATCH_SCRUB": "on_free",
+    }  # fmt: skip
+    process = subprocess.Popen(
+        as_user(engine_user, str(engine / "python"), "-c", ENGINE_WITH_SETTINGS),
+        cwd="/", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, umask=0o027,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().split() == ["log", "1.0", "mode,flush_interval"]
+        node.wait("the hello is read", lambda: node.status()[0] == 4)
+        code, summary = node.status()
+        assert code == 4, summary
+        (check,) = [c for c in summary["checks"] if c["name"] == "engine_config"]  # type: ignore[union-attr,index]
+        assert check["level"] == "alarm", check
+        assert "sglang prefill rank 0" in check["line"] and "mode, flush_interval" in check["line"]
+        assert node.metric("kvwatch_engine_config_errors", role="prefill", setting="mode") == 1
+        assert (
+            node.metric("kvwatch_engine_config_errors", role="prefill", setting="flush_interval")
+            == 1
+        )
+        assert node.metric("kvwatch_engine_config_errors", role="prefill", setting="scrub") == 0
+        info = {"engine": "sglang", "version": "", "role": "prefill", "model": "m"}
+        assert node.metric("kvwatch_engine_info", **info, mode="log", scrub="on_free") == 1
+    finally:
+        _, stderr = process.communicate(input="\n", timeout=60)
+    errors = [line for line in stderr.splitlines() if line.startswith("ERROR")]
+    assert errors == [
+        "ERROR kvwatch: KVWATCH_MODE='enforse' is not valid (valid: off|log|enforce); running "
+        "as log. Fix the setting and restart the engine",
+        "ERROR kvwatch: KVWATCH_FLUSH_INTERVAL='1s' is not valid (valid: a number of seconds >= "
+        "0.1, such as 1); using 1. Fix the setting and restart the engine",
+    ], stderr
+    node.wait("the engine is gone: the alarm clears", lambda: node.status()[0] != 4, 120)

@@ -87,7 +87,7 @@ def test_http_paths(tmp_path: Path) -> None:
         status, kind, body = get(base + "/", accept="application/json")
         assert status == 200 and kind == "application/json"
         assert {c["name"] for c in json.loads(body)["checks"]} == {
-            "integrity", "spool_access", "unsafe_band", "coverage", "freshness",
+            "integrity", "spool_access", "unsafe_band", "coverage", "engine_config", "freshness",
         }  # fmt: skip
         for path in ("/healthz", "/nonexistent", "/metrics/x", "/index.html"):
             status, _, body = get(base + path)

@@ -89,3 +89,49 @@ def test_mode_off_registers_nothing(
         "kvwatch: KVWATCH_MODE=off, SGLang plugin not loaded"
     ]
     plugin.attached[:] = saved
+
+
+def test_a_bad_setting_is_one_error_line_and_rides_on_every_hello(
+    sglang_plugins: Any, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A misspelt mode runs as log, a unit on a number runs as the default, an unknown
+    per-detector variable is named: one error line each (variable, value, valid ones, what runs),
+    and the hello SGLang's own allocator start writes carries the mode, scrub and the settings
+    that were invalid, so the daemon shows the engine misconfigured."""
+    from engine_hooks.detectors import Mode
+    from engine_hooks.sglang import runtime
+    from engine_hooks.sglang.config import from_env
+    from tests.sglang import sgl
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    env = {
+        "KVWATCH_MODE": "enforse",
+        "KVWATCH_MODE_CANARYY": "log",
+        "KVWATCH_FLUSH_INTERVAL": "1s",
+        "KVWATCH_SCRUB": "on_free",
+        "KVWATCH_SPOOL": str(spool),
+    }
+    with caplog.at_level(logging.ERROR, logger="kvwatch.sglang"):
+        settings = from_env(env)
+    assert settings.mode is Mode.LOG and settings.flush_interval == 1.0
+    lines = caplog.messages
+    assert len(lines) == 3 and all("\n" not in line for line in lines), lines
+    assert (
+        "KVWATCH_MODE='enforse' is not valid (valid: off|log|enforce); running as log" in lines[0]
+    )
+    assert "'KVWATCH_MODE_CANARYY' is not a kvwatch setting" in lines[1]
+    assert "KVWATCH_FLUSH_INTERVAL='1s' is not valid" in lines[2]
+    rt = runtime.reset(settings)
+    try:
+        sgl.allocator(sgl.mha_pool())  # SGLang's own allocator: its hooked __init__ starts them
+        contents = sgl.spool(rt)
+    finally:
+        rt.close()
+    hellos = [r for r in contents.records if r["type"] == "hello"]
+    assert hellos, contents.records
+    for hello in hellos:
+        assert (hello["mode"], hello["scrub"]) == ("log", "on_free"), hello
+        assert list(hello["config_errors"]) == ["mode", "option", "flush_interval"], hello
+    clean = from_env({"KVWATCH_MODE": "enforce", "KVWATCH_MODE_CANARY": "log"})
+    assert clean.config_errors == () and clean.modes() == {"default": "enforce", "canary": "log"}

@@ -187,3 +187,43 @@ def test_scrub_reaches_the_worker_and_a_bad_value_is_one_error_line(
         assert worker("always").scrub is Scrub.OFF
     (line,) = [m for m in caplog.messages if "kvwatch" in m]  # vLLM logs its own lines too
     assert "scrub" in line and "\n" not in line
+
+
+def test_bad_options_are_one_error_line_each_and_ride_on_the_hello(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A misspelt mode runs as log, a unit on a number runs as its default, an unknown key is
+    named: one error line each, and the hello of the connector vLLM's factory makes carries the
+    mode, scrub and the invalid options (the daemon shows the engine misconfigured)."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    child = kvwatch_child("kv_producer", str(spool), "enforse", "on_free")
+    child["kv_connector_extra_config"].update({"resolve_interval_s": "1s", "mdoe": "enforce"})
+    with caplog.at_level(logging.ERROR, logger="kvwatch.vllm"):
+        connector = KVConnectorFactory.create_connector(
+            vllm_config([child], "x"), KVConnectorRole.SCHEDULER, kv_cache_config()
+        )
+    assert isinstance(connector, KVWatchConnector) and connector.watch is not None
+    lines = [m for m in caplog.messages if "kvwatch" in m]  # vLLM logs its own lines too
+    assert len(lines) == 3 and all("\n" not in line for line in lines), lines
+    assert "kv_connector_extra_config.'mdoe' is not a kvwatch setting" in lines[0]
+    assert (
+        "kv_connector_extra_config.mode='enforse' is not valid (valid: off|log|enforce); "
+        "running as log" in lines[1]
+    )
+    assert "kv_connector_extra_config.resolve_interval_s='1s' is not valid" in lines[2]
+    connector.watch.flush()
+    hellos = [r for r in read_spool(spool).records if r["type"] == "hello"]
+    assert hellos
+    for hello in hellos:
+        assert (hello["mode"], hello["scrub"]) == ("log", "on_free"), hello
+        assert list(hello["config_errors"]) == ["option", "mode", "resolve_interval_s"], hello
+    per_detector = kvwatch_child("kv_consumer", str(spool), "log", "off")
+    per_detector["kv_connector_extra_config"]["mode"] = {"default": "log", "checksum": "enforce"}
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="kvwatch.vllm"):
+        clean = KVConnectorFactory.create_connector(
+            vllm_config([per_detector], "x"), KVConnectorRole.WORKER, kv_cache_config()
+        )
+    assert isinstance(clean, KVWatchConnector) and clean.config_errors == ()
+    assert [m for m in caplog.messages if "kvwatch" in m] == []

@@ -96,6 +96,9 @@ class RecordApplier(SpoolDirectory):
         producer.rank = record.rank
         producer.pid = record.pid
         producer.node = record.node
+        producer.mode = record.mode
+        producer.scrub = record.scrub
+        producer.config_errors = record.config_errors
 
     def _incidents(self, producer: Producer) -> None:
         """Build the incident rows of the events read (``_events``, all ``producer``'s), and

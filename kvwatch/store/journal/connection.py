@@ -34,6 +34,7 @@ from kvwatch.store.journal.tables import (
     _PRODUCER_COLUMNS,
     _SCHEMA,
     FINDING_COLUMNS,
+    PRODUCER_ADDED,
     SCHEMA_VERSION,
     AckRow,
     _columns,
@@ -122,6 +123,10 @@ class Journal(JournalQueries):
                 "" if default == "NULL" else f" DEFAULT {default}"
             )
             self.db.execute(f"ALTER TABLE incidents ADD COLUMN {column}")
+        have = {row[1] for row in self.db.execute("PRAGMA table_info(producers)")}
+        for name, definition in PRODUCER_ADDED.items():
+            if name not in have:
+                self.db.execute(f"ALTER TABLE producers ADD COLUMN {name} {definition}")
         if not row:
             self.db.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
@@ -159,7 +164,7 @@ class Journal(JournalQueries):
         # node, an older kvwatch): schema 2 reads as one without sources, 3 as one without
         # acknowledgements.
         self.schema = int(schema) if schema is not None and schema.isdigit() else 0
-        if self.schema not in (2, 3, SCHEMA_VERSION):
+        if self.schema not in (2, 3, 4, SCHEMA_VERSION):
             raise JournalError(
                 f"{self.path}: journal schema {schema}, expected 2 to {SCHEMA_VERSION}"
             )
@@ -190,6 +195,9 @@ class Journal(JournalQueries):
                 gauges=json.loads(row[13]),
                 retired=bool(row[14]),
                 retired_at=row[15] or 0.0,
+                mode=row[16],
+                scrub=row[17],
+                config_errors=tuple(json.loads(row[18])),
             )
             state.producers[producer.name] = producer
             state.next_producer_id = max(state.next_producer_id, producer.id + 1)
@@ -257,7 +265,7 @@ class Journal(JournalQueries):
             if batch.producers:
                 db.executemany(
                     f"INSERT OR REPLACE INTO producers ({_PRODUCER_COLUMNS})"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [_producer_row(p) for p in batch.producers.values()],
                 )
             if batch.segments:

@@ -13,7 +13,7 @@ from typing import Any, Final, NamedTuple, get_args, get_type_hints
 
 from kvwatch.store.incident import FINDING_FIELDS, Finding
 
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 
 
 class ExposureRow(NamedTuple):
@@ -119,13 +119,21 @@ def _select(table: str, row: type[tuple[Any, ...]]) -> str:
     return f"SELECT {', '.join(fields)} FROM {table}"
 
 
+#: Producer columns newer than the producers table of some journals, with their definitions.
+PRODUCER_ADDED: Final = {
+    "mode": "TEXT NOT NULL DEFAULT ''",
+    "scrub": "TEXT NOT NULL DEFAULT ''",
+    "config_errors": "TEXT NOT NULL DEFAULT '[]'",
+}
+
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS producers (
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE,
     engine TEXT, engine_version TEXT, role TEXT, model TEXT, rank INTEGER, node TEXT,
     pid INTEGER, first_seen REAL, last_ts REAL, last_seq INTEGER NOT NULL,
-    counters TEXT NOT NULL, gauges TEXT NOT NULL, retired INTEGER NOT NULL, retired_at REAL
+    counters TEXT NOT NULL, gauges TEXT NOT NULL, retired INTEGER NOT NULL, retired_at REAL,
+    {", ".join(f"{name} {definition}" for name, definition in PRODUCER_ADDED.items())}
 );
 CREATE TABLE IF NOT EXISTS segments (
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, producer TEXT NOT NULL,
@@ -169,13 +177,16 @@ _MIGRATE_2: Final = (
 )
 #: Schema 3 -> 4: acknowledgements (``acks``, created with the schema).
 _MIGRATE_3: Final = ()
-_MIGRATIONS: Final = {1: _MIGRATE_1, 2: _MIGRATE_2, 3: _MIGRATE_3}
+#: Schema 4 -> 5: how each producer's hooks run (its hello's mode, scrub and config errors):
+#: columns added where missing (PRODUCER_ADDED), as a Finding's new fields are.
+_MIGRATE_4: Final = ()
+_MIGRATIONS: Final = {1: _MIGRATE_1, 2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4}
 _INSERT_ACK: Final = _insert("acks", AckRow) + " VALUES (?, ?, ?, ?, ?, ?)"
 _SELECT_ACKS: Final = _select("acks", AckRow) + " ORDER BY id"
 _SELECT_EXPOSURES: Final = _select("exposures", ExposureRow)
 _PRODUCER_COLUMNS: Final = (
     "id, name, engine, engine_version, role, model, rank, node, pid, first_seen, last_ts,"
-    " last_seq, counters, gauges, retired, retired_at"
+    " last_seq, counters, gauges, retired, retired_at, mode, scrub, config_errors"
 )
 
 

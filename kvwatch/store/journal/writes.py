@@ -204,6 +204,9 @@ def _producer_row(p: Producer) -> tuple[Any, ...]:
         _encode_json(p.gauges).decode(),
         int(p.retired),
         p.retired_at,
+        p.mode,
+        p.scrub,
+        _encode_json(p.config_errors).decode(),
     )
 
 

@@ -80,6 +80,32 @@ def test_resumes_from_the_committed_position_after_a_restart(spool: Path, tmp_pa
     assert state.daemon[("spool_records", ())] == 4
 
 
+def test_how_an_engines_hooks_run_survives_a_daemon_restart(spool: Path, tmp_path: Path) -> None:
+    """The hello's mode, scrub and invalid settings are the producer's, in the journal: a daemon
+    restarted after the hello still shows the engine misconfigured (its status alarm, the
+    ``kvwatch_engine_config_errors`` and ``kvwatch_engine_info`` series)."""
+    from kvwatch.expose.metrics import config_errors
+    from kvwatch.expose.status import engine_config
+
+    p = Producer(spool)
+    p.identity.update(mode="log", scrub="on_free", config_errors=["mode", "flush_interval"])
+    p.append(p.hello(), p.counters(1))
+    first = Journal(tmp_path / "j.db")
+    SpoolReader(spool, first, first.load(), idle_grace=3600).poll()
+    first.close()
+    second = Journal(tmp_path / "j.db")
+    state = second.load()
+    producer = state.producers[p.name]
+    assert (producer.mode, producer.scrub) == ("log", "on_free")
+    assert producer.config_errors == ("mode", "flush_interval")
+    counts = config_errors(state)
+    assert counts[("decode", "mode")] == counts[("decode", "flush_interval")] == 1
+    assert counts[("decode", "scrub")] == counts[("prefill", "mode")] == 0
+    check = engine_config(state)
+    assert check.level == "alarm" and "mode, flush_interval" in check.line, check
+    second.close()
+
+
 def test_torn_last_record_waits_while_the_producer_lives_then_counts(
     spool: Path, reader: SpoolReader, journal: Journal, state: State
 ) -> None:

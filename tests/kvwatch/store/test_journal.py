@@ -268,8 +268,9 @@ def test_a_schema_1_journal_is_migrated(tmp_path: Path) -> None:
     assert row.pages == [1, 2, 3] and row.instance is None and row.node == "node-a"
     state = journal.load()
     assert state.producers["p"].node == "node-a"
+    assert (state.producers["p"].mode, state.producers["p"].config_errors) == ("", ())
     assert state.hook_counter_totals()[("kvwatch_verifications", ("canary", "decode"))] == 3
-    assert journal.scalar("SELECT value FROM meta WHERE key = 'schema'") == "4"
+    assert journal.scalar("SELECT value FROM meta WHERE key = 'schema'") == "5"
     assert row.sources == [] and row.other_sources == 0
     journal.close()
 
@@ -337,7 +338,7 @@ def test_a_schema_2_journal_reads_and_migrates(tmp_path: Path) -> None:
     assert old.sources == [] and old.other_sources == 0 and old.pages == [1, 2]
     readonly.close()
     journal = Journal(path)
-    assert journal.meta("schema") == "4"
+    assert journal.meta("schema") == "5"
     assert journal.incidents() == [old]
     journal.close()
     # Migrated in place to schema 4: acknowledgements can be stored and read back.
