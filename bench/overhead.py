@@ -121,6 +121,7 @@ def start_minipd(
     mode: str, args: argparse.Namespace, scrub: str
 ) -> tuple[subprocess.Popen[str], str]:
     workdir = Path(tempfile.mkdtemp(prefix=f"minipd-bench-{mode}-{scrub}-"))
+    (workdir / "spool").mkdir()  # as the daemon's install would: the hooks never create it
     serve = [
         "--kvwatch", mode, "--kvwatch-spool", str(workdir / "spool"),
         "--kvwatch-scrub", scrub,

@@ -131,7 +131,9 @@ DROP_REASON: Final = _label(
     "reason",
     {
         "spool_full": "the producer's segments fill the spool",
-        "write_error": "the write failed (disk full, spool directory gone)",
+        "write_error": "the write failed (disk full, no permission)",
+        "no_spool": "the spool folder does not exist (the hooks never create it: the daemon's"
+        " install does)",
         "oversize": "the record is larger than MAX_RECORD_BYTES",
         "closed": "the writer was closed",
         "invalid": "the record is one the daemon would reject (its schema, or a hello or seal)",

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Final
 
-from kvspool import records
+from kvspool import heartbeat, records
 from kvspool.framing import SEGMENT_SUFFIX, encode_frame
 from kvspool.schema import SchemaError, decode_payload, encode_payload
 
@@ -37,6 +37,8 @@ PRIVATE_SUFFIX: Final = ".new"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 # After a failure to open a segment, wait this long before trying again.
 _RETRY_SECONDS = 1.0
+# How often a writer looks for the daemon's heartbeat (one stat).
+_DAEMON_CHECK_SECONDS = 30.0
 #: The engine's log (Python logging): told once when the spool cannot be written.
 logger = logging.getLogger("kvwatch.spool")
 
@@ -84,6 +86,9 @@ class SpoolWriter:
         #: The spool failure the engine's log was told of (until a segment opens again).
         self._warned = False
         self._told_invalid = False
+        self._missing = False
+        self._told_unread = False
+        self._next_daemon_check = 0.0
 
     # -- public -------------------------------------------------------------------------------
 
@@ -172,6 +177,8 @@ class SpoolWriter:
         numbered = self._seq + 1
         if self._fd is not None and time.monotonic() >= self._next_check:
             self._check_segment_still_there()
+            if time.monotonic() >= self._next_daemon_check:
+                self._check_daemon()
         if self._fd is None and not self._open_segment():
             self._seq += 1  # the lost record leaves a gap the daemon counts
             return False
@@ -226,11 +233,15 @@ class SpoolWriter:
     def _open_segment(self) -> bool:
         now = time.monotonic()
         if now < self._retry_at:
-            self.dropped["spool_full" if self._retry_full else "write_error"] += 1
+            self.dropped[self._drop_reason()] += 1
             return False
-        self._retry_full = False
+        self._retry_full = self._missing = False
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # Never created here: a folder the daemon's install did not make is one no daemon
+            # reads (a misspelt KVWATCH_SPOOL), and records written there would look delivered.
+            if not self.directory.is_dir():
+                self._missing = True
+                raise FileNotFoundError(errno.ENOENT, "no such folder", str(self.directory))
             if self._own_segments() >= self.max_segments:
                 self._retry_full = True
                 raise OSError("spool full")
@@ -243,7 +254,7 @@ class SpoolWriter:
                 raise
         except OSError as exc:
             self._retry_at = now + _RETRY_SECONDS
-            self.dropped["spool_full" if self._retry_full else "write_error"] += 1
+            self.dropped[self._drop_reason()] += 1
             if not self._retry_full:
                 self._segment_index += 1  # never append to a file we did not create
             self._warn(exc)
@@ -254,7 +265,32 @@ class SpoolWriter:
         self._fd = fd
         self._size = len(hello)
         self.written += 1
+        self._check_daemon()
         return True
+
+    def _drop_reason(self) -> str:
+        return "spool_full" if self._retry_full else "no_spool" if self._missing else "write_error"
+
+    def _check_daemon(self) -> None:
+        """Say once in the engine's log when no daemon has beaten in the folder lately (and
+        once when one does again): records written there are not read."""
+        self._next_daemon_check = time.monotonic() + _DAEMON_CHECK_SECONDS
+        age = heartbeat.age(self.directory)
+        unread = age is None or age > heartbeat.STALE_SECONDS
+        if unread and not self._told_unread:
+            self._told_unread = True
+            since = "never" if age is None else f"last {age:,.0f}s ago"
+            logger.warning(
+                "kvwatch: no kvwatch daemon reads the spool %s (its heartbeat %s: %s). Records"
+                " are kept there unread: start the daemon, or set KVWATCH_SPOOL to the folder it"
+                " reads",
+                self.directory,
+                heartbeat.HEARTBEAT_NAME,
+                since,
+            )
+        elif not unread and self._told_unread:
+            self._told_unread = False
+            logger.warning("kvwatch: a kvwatch daemon reads the spool %s again", self.directory)
 
     def _warn(self, exc: OSError) -> None:
         """One warning per failure, not per record: the drop counter counts each record."""
@@ -263,6 +299,12 @@ class SpoolWriter:
         self._warned = True
         if self._retry_full:
             why = f"{self.max_segments} segments of this process unread (is the daemon running?)"
+        elif self._missing:
+            why = (
+                "the folder does not exist. The hooks never create it: the kvwatch daemon's"
+                " install does (the unit's RuntimeDirectory; without systemd, the README's"
+                " install -d); is KVWATCH_SPOOL the daemon's spool_dir?"
+            )
         else:
             why = f"{exc.strerror or exc}; set KVWATCH_SPOOL to a folder this user can write"
         logger.warning(

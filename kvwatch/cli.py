@@ -16,11 +16,13 @@ from types import ModuleType
 from kvwatch import __version__
 from kvwatch.commands import (
     ack,
+    check_config,
     check_logs,
     daemon,
     dashboards_push,
     export,
     incidents,
+    init,
     probe,
     spool,
     status,
@@ -29,7 +31,8 @@ from kvwatch.commands.clihelp import Formatter, Parser, join_negative_values
 
 #: The commands, in the order --help lists them: each module's add_parser() and run().
 COMMANDS: tuple[ModuleType, ...] = (
-    spool, daemon, incidents, check_logs, status, ack, export, probe, dashboards_push
+    init, spool, daemon, check_config, incidents, check_logs, status, ack, export, probe,
+    dashboards_push,
 )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from kvspool import heartbeat
 from kvwatch import __version__, errors
 from kvwatch.alerting.evaluate import Evaluator
 from kvwatch.alerting.notify import Notifier
@@ -212,6 +213,7 @@ class Daemon:
         self._next_prune = 0.0
         self._last_prune = 0.0
         self._failures = 0
+        self._next_beat, self._beat_warned = 0.0, False
 
     def _outputs(self, config: Config) -> None:
         """state + NVML (read at scrape time) -> the collector -> /metrics; the collector's
@@ -351,6 +353,27 @@ class Daemon:
 
     # -- one round ----------------------------------------------------------------------------
 
+    def _beat(self) -> None:
+        """Leave the heartbeat the hooks look for in the spool (kvspool.heartbeat); a failure
+        is one warning, never a failed poll: reading matters more than being seen to."""
+        now = time.monotonic()
+        if now < self._next_beat:
+            return
+        self._next_beat = now + heartbeat.BEAT_SECONDS
+        try:
+            heartbeat.beat(self.config.spool_dir)
+        except OSError as exc:
+            if not self._beat_warned:
+                self._beat_warned = True
+                self.log.warning(
+                    "spool.heartbeat_failed",
+                    directory=self.config.spool_dir,
+                    error=errors.reason(exc),
+                    note="engines will log that no daemon reads this spool",
+                )
+        else:
+            self._beat_warned = False
+
     def run_once(self) -> bool:
         """Poll the spool and the logs once; True when the spool has more to read at once."""
         more = False
@@ -358,6 +381,8 @@ class Daemon:
         try:
             more = self.reader.poll().more
             ok = self._spool_present()
+            if ok:
+                self._beat()
             self._failures = 0
             self.ready.set()  # the journal is open and a poll has committed
             problem, journal_failing = "", False

@@ -60,6 +60,7 @@ def _show_records(spool: Path) -> None:
 def run_demo(release: str = "0.5.19", kvwatch: str = "log", device: str = "cpu") -> int:
     workdir = Path(tempfile.mkdtemp(prefix="minipd-demo-"))
     spool, logs = workdir / "spool", workdir / "logs"
+    spool.mkdir()  # what the daemon's install does: the hooks never create it
     args = [
         "--release", release, "--kvwatch", kvwatch, "--kvwatch-spool", str(spool),
         "--log-dir", str(logs), "--device", device, *SERVE_ARGS,

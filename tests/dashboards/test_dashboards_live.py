@@ -85,7 +85,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         for node in NODES:
             (tmp / node).mkdir()
             daemons[node] = DaemonProcess(tmp / node, "--no-nvml")
-            daemons[node].spool.mkdir()
+            daemons[node].spool.mkdir(exist_ok=True)
         ports = {node: daemon.wait_started() for node, daemon in daemons.items()}
         port = free_port()
         config = tmp / "prometheus.yml"

@@ -42,6 +42,7 @@ class MiniPD:
     def __init__(self, args: list[str], workdir: Path, *, kvwatch: str = "off") -> None:
         self.workdir = workdir
         self.spool = workdir / "spool"
+        self.spool.mkdir(parents=True, exist_ok=True)  # as the daemon's install would
         self.logs = workdir / "logs"
         self.args = [
             sys.executable, "-m", "minipd", "serve", "--port", "0",

@@ -306,3 +306,97 @@ def test_a_misspelt_setting_is_an_error_line_an_alarm_and_an_alert_series(
         "0.1, such as 1); using 1. Fix the setting and restart the engine",
     ], stderr
     node.wait("the engine is gone: the alarm clears", lambda: node.status()[0] != 4, 120)
+
+
+#: An engine's spool writer as the hooks make one, writing three records: prints its drops.
+WRITE_THREE = r"""
+import logging, sys
+from kvspool import SpoolWriter
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+writer = SpoolWriter(sys.argv[1], engine="sglang", role="prefill")
+for _ in range(3):
+    writer.write("gauges", {"gauges": [["kv_pool_tokens", {}, 4096.0]]})
+writer.close()
+print(writer.written, dict(writer.dropped))
+"""
+
+
+def test_without_systemd_init_makes_the_folders_and_the_hooks_never_do(
+    node: Node, users: Users, engine: Path, plain: Path
+) -> None:
+    """``kvwatch init`` makes the folders the unit would (owners, modes) and names one that is
+    otherwise; a misspelt ``KVWATCH_SPOOL`` is not created by the hooks but named in the
+    engine's log and its records counted dropped; a spool no daemon beats in is named too."""
+    engine_user = users.add("e", node.user)
+
+    def write(spool: Path) -> tuple[str, str]:
+        result = subprocess.run(
+            as_user(engine_user, str(engine / "python"), "-c", WRITE_THREE, str(spool)),
+            cwd="/", capture_output=True, text=True, timeout=120, check=False, umask=0o027,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip(), result.stderr
+
+    shutil.rmtree(node.root / "run")
+    shutil.rmtree(node.root / "var")
+    argv = ["init", "--config", str(node.config), "--user", node.user, "--group", node.user]
+    made = subprocess.run(
+        [str(plain / "kvwatch"), *argv], capture_output=True, text=True, check=False
+    )
+    assert made.returncode == 0, made.stderr
+    assert f"created {node.spool} {node.user}:{node.user} 2770" in made.stdout, made.stdout
+    for folder, mode in ((node.spool, 0o2770), (node.journal.parent, 0o750)):
+        info = folder.stat()
+        assert (info.st_mode & 0o7777, info.st_uid) == (mode, pwd.getpwnam(node.user).pw_uid)
+        assert grp.getgrgid(info.st_gid).gr_name == node.user
+
+    # Before the daemon runs: the records are written, and the engine's log says none reads them.
+    out, err = write(node.spool)
+    assert out == "4 {}", out  # the hello and three gauges
+    assert f"no kvwatch daemon reads the spool {node.spool}" in err, err
+    misspelt = node.spool.parent / "spoool"
+    out, err = write(misspelt)
+    assert out == "0 {'no_spool': 3}", out
+    assert not misspelt.exists()
+    (warning,) = [line for line in err.splitlines() if line.startswith("WARNING")]
+    assert f"cannot write the spool {misspelt}" in warning and "does not exist" in warning
+
+    node.start()
+    node.wait("the daemon beats", (node.spool / "kvwatch-daemon.heartbeat").exists)
+    out, err = write(node.spool)
+    assert out == "4 {}" and "WARNING" not in err, err
+    node.wait("both writers' records are read", lambda: (
+        node.metric("kvwatch_spool_records_total") == 8
+    ))  # fmt: skip
+
+    node.spool.chmod(0o2777)
+    again = subprocess.run(
+        [str(plain / "kvwatch"), *argv], capture_output=True, text=True, check=False
+    )
+    assert again.returncode == 1, again
+    line = one_line_error(again)
+    assert f"kvwatch init: {node.spool} exists as" in line and "2777" in line and "2770" in line
+    assert node.spool.stat().st_mode & 0o7777 == 0o2777  # named, never changed
+
+
+def test_check_config_reads_the_config_as_the_daemon_would(
+    node: Node, users: Users, plain: Path
+) -> None:
+    """``kvwatch check-config``: the installed config is valid; a misspelt key, a bad duration
+    and a file the daemon's user cannot read are each one line naming it (exit 1)."""
+    result = as_(node.user, plain, "check-config", str(node.config))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"SUCCESS: {node.config} is valid kvwatch daemon config"
+    assert "Traceback" not in result.stderr
+    text = node.config.read_text()
+    broken = node.root / "broken.toml"
+    for change, says in (
+        ('\nspool_dri = "/x"\n', "spool_dri"),
+        ('\nretention = "30 days"\n', "retention"),
+        ('\nalertmanager_password_file = "/root/am-password"\n', "alertmanager_password_file"),
+    ):
+        broken.write_text(text + change)
+        broken.chmod(0o644)
+        line = one_line_error(as_(node.user, plain, "check-config", str(broken)))
+        assert line.startswith(f"kvwatch check-config: config {broken}: ") and says in line, line

@@ -122,6 +122,7 @@ def test_hooks_and_sglang_entry_point_from_the_wheel(
     engine: Path, plain: Path, empty: Path
 ) -> None:
     spool = empty / "spool"
+    spool.mkdir()  # as the daemon's install would: the hooks never create it
     run([str(engine / "python"), "-m", "engine_hooks.walkthrough", "--spool", str(spool)], empty)
     events = run([str(plain / "kvwatch"), "spool", str(spool), "--events"], empty).stdout
     detectors = {json.loads(line)["detector"] for line in events.splitlines()}

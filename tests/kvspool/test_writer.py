@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import kvspool
-from kvspool import SpoolWriter, read_segment, read_spool, schema
+from kvspool import SpoolWriter, heartbeat, read_segment, read_spool, schema
 from tests.reliability.tools import event_fields as event
 
 
@@ -78,6 +78,7 @@ def test_full_spool_never_raises_and_shows_as_a_gap(tmp_path: Path) -> None:
 
 def test_removed_directory_never_raises(tmp_path: Path) -> None:
     spool = tmp_path / "spool"
+    spool.mkdir()
     w = writer(spool)
     assert w.write(schema.EVENT, event(1))
     shutil.rmtree(spool)
@@ -85,7 +86,8 @@ def test_removed_directory_never_raises(tmp_path: Path) -> None:
     time.sleep(1.1)  # the writer checks its segment is still linked once a second
     for i in range(5):
         assert not w.write(schema.EVENT, event(i))
-    assert w.dropped["write_error"] >= 1
+    assert w.dropped["no_spool"] == 5  # never re-created by the writer
+    assert (tmp_path / "spool").is_file()
     # The directory comes back: a fresh segment, and the lost records show as a gap.
     (tmp_path / "spool").unlink()
     spool.mkdir()
@@ -106,7 +108,7 @@ def test_read_only_directory_never_raises(tmp_path: Path) -> None:
         spool.mkdir(mode=0o500)
     w = writer(spool)
     assert not w.write(schema.EVENT, event(1))
-    assert w.dropped["write_error"] == 1
+    assert w.dropped["no_spool" if os.geteuid() == 0 else "write_error"] == 1
 
 
 def test_oversize_record_is_dropped_and_counted(tmp_path: Path) -> None:
@@ -237,18 +239,21 @@ def test_an_unwritable_spool_is_one_warning_in_the_engines_log(
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()
     assert f"cannot write the spool {spool}" in message and "KVWATCH_SPOOL" in message
+    assert "does not exist" in message and "never create" in message
     assert "\n" not in message
-    assert w.dropped["write_error"] == 300
+    assert w.dropped["no_spool"] == 300
+    assert not spool.exists()
 
 
 def test_a_full_spool_is_one_warning_and_recovery_is_said(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    heartbeat.beat(tmp_path)  # a daemon reads this spool, more slowly than the engine writes
     w = writer(tmp_path, segment_bytes=4096, max_segments=2)
     with caplog.at_level("WARNING", logger="kvwatch.spool"):
         for i in range(200):
             w.write(schema.EVENT, event(i))
-        for path in tmp_path.iterdir():
+        for path in tmp_path.glob("*.kvs"):
             path.unlink()  # the daemon catches up
         time.sleep(1.1)
         assert w.write(schema.EVENT, event(999))
@@ -281,3 +286,38 @@ def test_an_unwritable_spool_warns_in_an_engine_process_without_logging_setup(
     assert result.stdout.strip() == "1000"
     assert result.stderr.count("cannot write the spool") == 1, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_writer_never_creates_the_spool_and_says_when_no_daemon_reads_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder the daemon's install did not make is not made (a misspelt KVWATCH_SPOOL would
+    else look delivered); a folder with no daemon heartbeat, or a stale one, is one warning,
+    and one more when a daemon beats there again."""
+    from kvspool import writer as writer_module
+
+    missing = tmp_path / "spoool"
+    w = writer(missing)
+    assert not w.write(schema.EVENT, event(1))
+    assert not missing.exists() and w.dropped["no_spool"] == 1
+    monkeypatch.setattr(writer_module, "_DAEMON_CHECK_SECONDS", 0.0)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    w = writer(spool)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvwatch.spool"):
+        for i in range(3):
+            assert w.write(schema.EVENT, event(i))
+        heartbeat.beat(spool)
+        stale = time.time() - heartbeat.STALE_SECONDS - 5
+        time.sleep(1.1)  # the writer looks once a second at most (with its segment check)
+        assert w.write(schema.EVENT, event(3))
+        os.utime(spool / heartbeat.HEARTBEAT_NAME, (stale, stale))
+        time.sleep(1.1)
+        assert w.write(schema.EVENT, event(4))
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvwatch.spool"]
+    assert len(messages) == 3, messages
+    assert f"no kvwatch daemon reads the spool {spool}" in messages[0] and "never" in messages[0]
+    assert "reads the spool" in messages[1] and "again" in messages[1]
+    assert "no kvwatch daemon reads" in messages[2] and "s ago" in messages[2]
+    assert w.dropped.total() == 0  # written all the same: a daemon that starts reads them

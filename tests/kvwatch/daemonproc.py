@@ -37,10 +37,14 @@ class DaemonProcess:
         journal: Path | None = None,
         prefix: tuple[str, ...] = (),
         python: str = sys.executable,
+        make_spool: bool = True,
     ) -> None:
         """``prefix`` (a command that changes user) and ``python`` (one that user can run, e.g.
-        :func:`tests.anyuser.python`) run the daemon as another user."""
+        :func:`tests.anyuser.python`) run the daemon as another user. ``make_spool``: the spool
+        folder is made first, as the unit's RuntimeDirectory (or ``kvwatch init``) makes it."""
         self.spool = tmp / "spool"
+        if make_spool:
+            self.spool.mkdir(exist_ok=True)
         self.journal = journal or tmp / "journal.db"
         self.log_path = tmp / f"daemon-{time.monotonic_ns()}.log"
         self.args = [

@@ -155,7 +155,9 @@ def test_sighup_is_logged_and_does_not_stop_the_daemon(tmp_path: Path) -> None:
 
 def test_missing_spool_and_log_are_loud_and_measured(tmp_path: Path) -> None:
     log = tmp_path / "prefill.log"
-    daemon = DaemonProcess(tmp_path, "--no-nvml", "--log", f"prefill:sglang:{log}")
+    daemon = DaemonProcess(
+        tmp_path, "--no-nvml", "--log", f"prefill:sglang:{log}", make_spool=False
+    )
     try:
         port = daemon.wait_started()
         wait_until(lambda: collector(daemon, "spool") == 0.0)

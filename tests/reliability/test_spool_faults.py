@@ -90,8 +90,11 @@ def test_spool_directory_removed_under_a_running_writer(tmp_path: Path) -> None:
         ok1, _ = write_for(writer, 0.5)
         assert ok1 > 0
         shutil.rmtree(daemon.spool)  # records written to the unlinked segment are lost
-        write_for(writer, 2.0, start=ok1 + 1000)  # the writer notices and opens a new segment
-        assert daemon.spool.is_dir()
+        write_for(writer, 2.0, start=ok1 + 1000)  # the writer notices, never re-creates it
+        assert not daemon.spool.exists() and writer.dropped["no_spool"] > 0
+        daemon.spool.mkdir()  # the operator's fix: a new segment, the lost ones a gap
+        ok2, _ = write_for(writer, 2.0, start=ok1 + 100_000)
+        assert ok2 > 0 and daemon.spool.is_dir()
         writer.close()
         assert wait_for(lambda: lost(daemon) > 0, 15), daemon.output()[-2000:]
     finally:

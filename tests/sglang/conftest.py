@@ -58,6 +58,7 @@ def kv(sglang_plugins: Any, tmp_path: Path) -> Iterator[Any]:
     from engine_hooks.sglang import runtime
     from engine_hooks.sglang.config import from_env
 
+    (tmp_path / "spool").mkdir()  # as the daemon's install would: the hooks never create it
     settings = from_env({"KVWATCH_MODE": "log", "KVWATCH_SPOOL": str(tmp_path / "spool")})
     rt = runtime.reset(settings)
     yield rt
@@ -69,6 +70,7 @@ def kv_enforce(sglang_plugins: Any, tmp_path: Path) -> Iterator[Any]:
     from engine_hooks.sglang import runtime
     from engine_hooks.sglang.config import from_env
 
+    (tmp_path / "spool").mkdir()
     env = {"KVWATCH_MODE": "enforce", "KVWATCH_SPOOL": str(tmp_path / "spool")}
     rt = runtime.reset(from_env(env))
     yield rt

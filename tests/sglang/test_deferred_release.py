@@ -99,6 +99,7 @@ def kv_window(
     from engine_hooks.sglang.config import from_env
 
     monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", str(TIMEOUT_S))
+    (tmp_path / "spool").mkdir(exist_ok=True)  # as the daemon's install would
     env = {
         "KVWATCH_MODE": "log",
         "KVWATCH_SPOOL": str(tmp_path / "spool"),

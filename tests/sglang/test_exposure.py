@@ -32,6 +32,7 @@ EXPOSING = {("canary", "unwritten_page"), ("page_tag", "stale_tag")}
 
 
 def watch_env(tmp_path: Path, scrub: str) -> dict[str, str]:
+    (tmp_path / "spool").mkdir(exist_ok=True)  # as the daemon's install would
     return {"KVWATCH_MODE": "log", "KVWATCH_SPOOL": str(tmp_path / "spool"), "KVWATCH_SCRUB": scrub}
 
 

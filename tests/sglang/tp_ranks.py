@@ -38,6 +38,7 @@ def rank_main(rank: int, port: int, spool: str, mode: str, plan: Plan, out: Conn
 def _serve(rank: int, port: int, spool: str, mode: str, plan: Plan) -> dict[str, Any]:
     os.environ["SGLANG_PLUGINS"] = "kvwatch"
     os.environ["KVWATCH_SPOOL"] = spool
+    Path(spool).mkdir(parents=True, exist_ok=True)  # as the daemon's install would
     warnings.filterwarnings("ignore", category=UserWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from tests.sglang.sgl import published

@@ -115,6 +115,8 @@ def kv_cache_config(
 
 
 def kvwatch_child(role: str, spool: str, mode: str, scrub: str = "off") -> dict[str, Any]:
+    if spool:  # what the daemon's install does: the hooks never create it
+        Path(spool).mkdir(parents=True, exist_ok=True)
     return {
         "kv_connector": "KVWatchConnector",
         "kv_connector_module_path": MODULE,

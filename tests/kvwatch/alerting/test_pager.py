@@ -661,7 +661,7 @@ def live(tmp_path: Path) -> Iterator[dict[str, Any]]:
             'alertmanager_timeout = "2s"\n'
         )
         daemon = DaemonProcess(tmp_path, "--config", str(settings), "--no-nvml")
-        daemon.spool.mkdir()
+        daemon.spool.mkdir(exist_ok=True)
         daemon_port = daemon.wait_started()
         prom_port = free_port()
         prom_config = tmp_path / "prometheus.yml"

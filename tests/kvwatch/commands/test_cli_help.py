@@ -34,8 +34,8 @@ COMMANDS = commands()
 
 def test_every_command_is_covered() -> None:
     assert set(COMMANDS) == {
-        "spool", "daemon", "incidents", "check-logs", "status", "ack", "export", "probe",
-        "dashboards push",
+        "init", "spool", "daemon", "check-config", "incidents", "check-logs", "status", "ack",
+        "export", "probe", "dashboards push",
     }  # fmt: skip
 
 
