@@ -463,6 +463,17 @@ DAEMON_FAMILIES: Final = (
         "Engine processes with a live spool segment.",
     ),
     Family(
+        "kvwatch_config_last_reload_successful",
+        "gauge",
+        "Whether the last configuration reload (SIGHUP) applied: 1, or 0 while the file on"
+        " disk is refused (the daemon runs on the configuration it had).",
+    ),
+    Family(
+        "kvwatch_config_last_reload_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the last configuration the daemon applied (its start, or a reload).",
+    ),
+    Family(
         "kvwatch_last_record_timestamp_seconds",
         "gauge",
         "Unix time of the newest record committed to the journal.",

@@ -2,8 +2,11 @@
 
 One thread polls (spool, then logs, then retention); the HTTP server answers scrapes from its own
 thread, reading the shared state under its lock. SIGTERM or SIGINT stops the loop after the batch
-in hand is committed. SIGHUP is logged and otherwise ignored: the configuration is read once, at
-start (restart the daemon to apply a change; nothing is lost, the journal keeps its place).
+in hand is committed. SIGHUP reloads the configuration (:data:`RELOADABLE`: the retention, the
+poll timings, the engine logs, the fast path to the pager); a change to another setting (the
+spool, the journal, the listen address, TLS, ...) is logged as waiting for a restart, and a file
+that does not load is logged and refused, the daemon running on as it was
+(``kvwatch_config_last_reload_successful``).
 
 One daemon per journal and per spool: each is locked (``flock``) for the daemon's lifetime, since
 two daemons on one spool would record every incident twice.
@@ -15,12 +18,14 @@ through the store to the outputs shows here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import signal
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, Final
@@ -46,6 +51,17 @@ from kvwatch.store.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
 
 #: How often old journal rows are pruned.
 PRUNE_SECONDS: Final = 600.0
+#: The settings that decide where alerts go and how: a change rebuilds the fast path's notifier
+#: and evaluator (every Alertmanager's send loop, anew).
+_PAGER_SETTINGS: Final = frozenset(
+    {"alertmanager_urls", "alertmanager_enabled", "alertmanager_labels", "alertmanager_timeout"}
+    | {"alertmanager_resend", "prometheus_scrape_interval", "alertmanager_ca_file"}
+    | {"alertmanager_username", "alertmanager_password_file"}
+)
+#: What a reload (SIGHUP) applies; a change to any other setting waits for a restart.
+RELOADABLE: Final = _PAGER_SETTINGS | {
+    "retention", "records_retention", "poll_interval", "idle_grace", "logs",
+}  # fmt: skip
 #: ... and how often while more producers are kept than the journal's MAX_RETIRED_PRODUCERS.
 CROWDED_PRUNE_SECONDS: Final = 60.0
 MAX_BACKOFF: Final = 5.0
@@ -145,8 +161,10 @@ def lock_spool(path: str) -> int | None:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
-        self.config = config
+    def __init__(self, config: Config, load: Callable[[], Config] | None = None) -> None:
+        """``load``: how to read the configuration again on SIGHUP (the file and the flags, as
+        at start); None: a reload says it cannot."""
+        self.config, self._load = config, load
         self.log = structlog.get_logger("kvwatch.daemon")
         self._locks: list[int] = []
         self._spool_lock: int | None = None
@@ -220,10 +238,12 @@ class Daemon:
         state families -> the evaluator -> the notifier -> every Alertmanager (the fast path)."""
         self.notifier = Notifier(config, self.state)  # first: a bad CA file fails the start
         self.nvml = Nvml(config.nvml)
-        collector = KvwatchCollector(self.state, self.nvml)
+        self._collector = KvwatchCollector(self.state, self.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
-        self.evaluator = Evaluator(config, self.state, collector.state_families, self.notifier.send)
+        self.registry.register(self._collector)
+        self.evaluator = Evaluator(
+            config, self.state, self._collector.state_families, self.notifier.send
+        )
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
 
@@ -264,6 +284,7 @@ class Daemon:
             self._remove_created()
             return 1
         self._created = []  # started: the journal is this daemon's from now on
+        self.state.config_reload_ts = time.time()
         self.log.info(
             "daemon.started",
             version=__version__,
@@ -310,13 +331,61 @@ class Daemon:
         while self._signals:
             name = self._signals.pop(0)
             if name == "SIGHUP":
-                self.log.warning(
-                    "daemon.sighup",
-                    message="the configuration is read at start only; "
-                    "restart kvwatch to apply a change",
-                )
+                self.reload()
             else:
                 self.log.info("daemon.stopping", signal=name)
+
+    def reload(self) -> bool:
+        """Read the configuration again (the main thread, between polls) and apply what can be
+        applied live; True when it did."""
+        if self._load is None:
+            self.log.warning("config.reload_unavailable", note="no config source to read again")
+            return False
+        try:
+            new = self._load()
+            changed = [
+                f.name
+                for f in dataclasses.fields(Config)
+                if getattr(new, f.name) != getattr(self.config, f.name)
+            ]
+            if any(name in _PAGER_SETTINGS for name in changed):
+                notifier = Notifier(new, self.state)  # first: a bad CA file refuses the reload
+            else:
+                notifier = None
+        except ConfigError as exc:
+            with self.state.lock:
+                self.state.config_reload_ok = False
+            self.log.error("config.reload_failed", error=str(exc), note="running as before")
+            return False
+        waiting = [name for name in changed if name not in RELOADABLE]
+        applied = [name for name in changed if name in RELOADABLE]
+        for name in applied:
+            setattr(self.config, name, getattr(new, name))
+        self.reader.idle_grace = self.config.idle_grace
+        if "logs" in applied:
+            self.logs.close()
+            self.logs = LogWatcher(self.config.logs, self.state)
+        if notifier is not None:
+            self.evaluator.close()
+            self.notifier.close()
+            self.notifier = notifier
+            self.evaluator = Evaluator(
+                self.config, self.state, self._collector.state_families, self.notifier.send
+            )
+            if self.notifier.enabled:
+                self.evaluator.start()
+                self.notifier.start()
+        with self.state.lock:
+            self.state.config_reload_ok = True
+            self.state.config_reload_ts = time.time()
+        self.log.info("config.reloaded", applied=applied)
+        if waiting:
+            self.log.warning(
+                "config.restart_needed",
+                settings=waiting,
+                note="these take effect when the daemon restarts",
+            )
+        return True
 
     def close(self) -> None:
         self.evaluator.close()

@@ -16,32 +16,39 @@ _OVERRIDES = (
 )  # fmt: skip
 
 
+def settings(args: argparse.Namespace) -> configuration.Config:
+    """The config file with the flags over it, checked; logs what it adjusted. At start and on
+    every reload (SIGHUP), the same way."""
+    config = configuration.load(args.config)
+    overrides: dict[str, object] = {
+        key: getattr(args, key) for key in _OVERRIDES if getattr(args, key) is not None
+    }
+    if args.no_nvml:
+        overrides["nvml"] = False
+    if args.allowed_user:
+        overrides["allowed_users"] = args.allowed_user
+    config = configuration.from_mapping(overrides, config)
+    if args.log:
+        config.logs = config.logs + [configuration.parse_log_flag(v) for v in args.log]
+    warnings = configuration.check_retention(config, allow_short=args.allow_short_retention)
+    import structlog
+
+    for warning in warnings:
+        structlog.get_logger("kvwatch.config").warning("config.adjusted", message=warning)
+    return config
+
+
 def run(args: argparse.Namespace) -> int:
     from kvwatch import logsetup
     from kvwatch.daemon import Daemon, DaemonError
 
     logsetup.configure(args.log_level, fmt=args.log_format)
     try:
-        config = configuration.load(args.config)
-        overrides: dict[str, object] = {
-            key: getattr(args, key) for key in _OVERRIDES if getattr(args, key) is not None
-        }
-        if args.no_nvml:
-            overrides["nvml"] = False
-        if args.allowed_user:
-            overrides["allowed_users"] = args.allowed_user
-        config = configuration.from_mapping(overrides, config)
-        if args.log:
-            config.logs = config.logs + [configuration.parse_log_flag(v) for v in args.log]
-        warnings = configuration.check_retention(config, allow_short=args.allow_short_retention)
+        config = settings(args)
     except configuration.ConfigError as exc:
         return fail("daemon", str(exc), 2)
-    import structlog
-
-    for warning in warnings:
-        structlog.get_logger("kvwatch.config").warning("config.adjusted", message=warning)
     try:
-        daemon = Daemon(config)
+        daemon = Daemon(config, load=lambda: settings(args))
     except DaemonError as exc:
         return fail("daemon", str(exc))
     return daemon.run()
@@ -55,8 +62,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         description="The per-node daemon. Settings come from --config (TOML), flags override "
         "them. HTTP: /metrics, / (status page), /-/healthy, /-/ready. Logs go to stderr: "
         "coloured lines on a terminal, JSON lines otherwise. SIGTERM/SIGINT stop it after the "
-        "batch in hand is committed; SIGHUP is logged and ignored (restart to apply a config "
-        "change). One daemon per journal and per spool folder.",
+        "batch in hand is committed; SIGHUP reloads the config (retention, poll timings, engine "
+        "logs, Alertmanager settings; other changes wait for a restart, a file that does not "
+        "load is refused). One daemon per journal and per spool folder.",
         examples=[
             "kvwatch daemon --config /etc/kvwatch/kvwatch.toml",
             "kvwatch daemon --spool-dir /run/kvwatch/spool --listen :29321 "

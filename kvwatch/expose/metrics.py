@@ -188,6 +188,10 @@ class KvwatchCollector(Collector):
             value=float(state.live_producers),
         )
         yield _family("kvwatch_last_record_timestamp_seconds", value=state.last_record_ts)
+        yield _family("kvwatch_config_last_reload_successful", value=float(state.config_reload_ok))
+        yield _family(
+            "kvwatch_config_last_reload_success_timestamp_seconds", value=state.config_reload_ts
+        )
         yield _family(
             "kvwatch_log_lines",
             value=state.log_counts.get(("lines", ()), 0.0),

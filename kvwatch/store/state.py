@@ -165,6 +165,10 @@ class State:
     #: when it succeeded. ``journal_failing``: that part is the journal (``/-/ready`` is 503).
     poll_problem: str = ""
     journal_failing: bool = False
+    #: The last configuration reload (SIGHUP): whether it applied, and when one last did (the
+    #: start counts as one).
+    config_reload_ok: bool = True
+    config_reload_ts: float = 0.0
     next_producer_id: int = 1
     next_segment_id: int = 1
     lock: threading.RLock = field(default_factory=threading.RLock)

@@ -400,3 +400,29 @@ def test_check_config_reads_the_config_as_the_daemon_would(
         broken.chmod(0o644)
         line = one_line_error(as_(node.user, plain, "check-config", str(broken)))
         assert line.startswith(f"kvwatch check-config: config {broken}: ") and says in line, line
+
+
+def test_a_reload_applies_the_config_without_a_restart(node: Node) -> None:
+    """``systemctl reload kvwatch`` (the unit's ExecReload: SIGHUP): a valid change applies and
+    the daemon keeps its pid; a broken file is refused and the daemon runs on."""
+    import signal
+
+    assert "ExecReload=/bin/kill -HUP $MAINPID" in node.unit
+    node.start()
+    assert node.proc is not None
+    text = node.config.read_text()
+
+    def events(name: str) -> list[dict[str, object]]:
+        lines = [json.loads(x) for x in node.log().splitlines() if x.startswith("{")]
+        return [e for e in lines if e.get("event") == name]
+
+    node.config.write_text(text + '\npoll_interval = "500ms"\n')
+    node.proc.send_signal(signal.SIGHUP)
+    node.wait("the reload applies", lambda: events("config.reloaded"))
+    assert events("config.reloaded")[0]["applied"] == ["poll_interval"]
+    assert node.metric("kvwatch_config_last_reload_successful") == 1
+    node.config.write_text(text + '\npoll_interval = "half a second"\n')
+    node.proc.send_signal(signal.SIGHUP)
+    node.wait("the broken file is refused", lambda: events("config.reload_failed"))
+    assert node.metric("kvwatch_config_last_reload_successful") == 0
+    assert node.proc.poll() is None and node.status()[0] in (0, 3)

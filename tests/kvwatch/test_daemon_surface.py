@@ -140,14 +140,49 @@ def test_second_daemon_on_the_same_journal_or_spool_is_refused(tmp_path: Path) -
         assert again.stop() == 0
 
 
-def test_sighup_is_logged_and_does_not_stop_the_daemon(tmp_path: Path) -> None:
-    daemon = DaemonProcess(tmp_path, "--no-nvml")
+def test_sighup_reloads_what_it_can_and_refuses_a_broken_file(tmp_path: Path) -> None:
+    """SIGHUP, as Prometheus: what can change live is applied (the retention, an engine log),
+    a change that needs a restart is named, a file that does not load is refused with the
+    daemon running on as it was; ``kvwatch_config_last_reload_successful`` says which."""
+    settings = tmp_path / "kvwatch.toml"
+    settings.write_text('retention = "30d"\n')
+    daemon = DaemonProcess(tmp_path, "--no-nvml", "--config", str(settings))
+
+    def reloaded(event: str, count: int) -> dict[str, object]:
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: sum(e.get("event") == event for e in daemon.events()) == count)
+        return [e for e in daemon.events() if e.get("event") == event][-1]
+
+    def gauge(name: str) -> float:
+        body = get(f"http://127.0.0.1:{port}/metrics")[2]
+        (line,) = [x for x in body.splitlines() if x.startswith(name + " ")]
+        return float(line.split()[1])
+
     try:
         port = daemon.wait_started()
-        daemon.proc.send_signal(signal.SIGHUP)
-        wait_until(lambda: any(e.get("event") == "daemon.sighup" for e in daemon.events()))
+        assert gauge("kvwatch_config_last_reload_successful") == 1.0
+        started = gauge("kvwatch_config_last_reload_success_timestamp_seconds")
+        log = tmp_path / "decode.log"
+        log.write_text("starting\n")
+        settings.write_text(
+            'retention = "7d"\nnode = "other-node"\n'
+            f'[[logs]]\npath = "{log}"\nrole = "decode"\nengine = "sglang"\n'
+        )
+        event = reloaded("config.reloaded", 1)
+        assert event["applied"] == ["retention", "logs"], event
+        waiting = [e for e in daemon.events() if e.get("event") == "config.restart_needed"]
+        assert waiting and waiting[-1]["settings"] == ["node"], waiting
+        wait_until(lambda: collector(daemon, "logs") == 1.0)  # the new engine log is read
+        assert gauge("kvwatch_config_last_reload_success_timestamp_seconds") >= started
+        settings.write_text('retention = "7 days"\n')
+        event = reloaded("config.reload_failed", 1)
+        assert "retention" in str(event["error"]), event
+        assert gauge("kvwatch_config_last_reload_successful") == 0.0
         assert daemon.proc.poll() is None
         assert get(f"http://127.0.0.1:{port}/-/healthy")[0] == 200
+        settings.write_text('retention = "7d"\n')
+        reloaded("config.reloaded", 2)
+        assert gauge("kvwatch_config_last_reload_successful") == 1.0
     finally:
         assert daemon.stop() == 0
     assert any(e.get("event") == "daemon.stopping" for e in daemon.events())
