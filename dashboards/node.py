@@ -59,9 +59,11 @@ def build() -> dash.Dashboard:
         stat_panel(
             ids,
             "Incidents",
-            "Incidents the daemon journalled on this node in the time range (`kvwatch incidents "
-            "--since 1h` on the node lists them).",
-            f"sum(increase({exposed('incidents')}{{{ONE_NODE_ROLE}}}[$__range])) or vector(0)",
+            "Incidents (affected requests, each counted once however many detectors found it) "
+            "the daemon journalled on this node in the time range (`kvwatch incidents --since "
+            "1h` on the node lists them).",
+            f"sum(increase({exposed('affected_requests')}{{{ONE_NODE_ROLE}}}[$__range]))"
+            " or vector(0)",
         )
     )
     board = board.with_panel(
@@ -76,8 +78,9 @@ def build() -> dash.Dashboard:
     board = board.with_panel(
         timeseries_panel(
             ids,
-            "Mismatches and incidents",
-            "Per interval, by role, detector and kind.",
+            "Mismatches and findings",
+            "Per interval, by role, detector and kind: the hooks' mismatch counters, and the "
+            "findings the daemon journalled (one incident may be several findings).",
             [
                 query(
                     "sum by (role, detector, kind) "
@@ -87,8 +90,8 @@ def build() -> dash.Dashboard:
                 ),
                 query(
                     "sum by (role, detector, kind) "
-                    f"(increase({exposed('incidents')}{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
-                    "incident {{role}} {{detector}} {{kind}}",
+                    f"(increase({exposed('findings')}{{{ONE_NODE_ROLE}}}[$__rate_interval]))",
+                    "finding {{role}} {{detector}} {{kind}}",
                     "B",
                 ),
             ],

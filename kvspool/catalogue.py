@@ -93,6 +93,19 @@ KIND: Final = _label(
         " a late write may put the aborted request's KV in theirs",
     },
 )
+#: The kinds each detector reports: the (detector, kind) pairs that can occur, the ones
+#: /metrics initialises to 0 (a pair a producer reports outside them, ``other`` included, is
+#: exposed as it comes). The engine hooks' detectors declare theirs from these (tested).
+DETECTOR_KINDS: Final = {
+    DETECTOR.check("canary"): ("unwritten_page", "write_to_free_page"),
+    DETECTOR.check("checksum"): ("digest", "page_count", "layout_mismatch"),
+    DETECTOR.check("page_tag"): (
+        "stale_tag", "double_free", "freed_before_read", "freed_before_drain",
+    ),
+    DETECTOR.check("admission"): ("aborted_admitted",),
+    DETECTOR.check("engine_canary"): (OTHER,),
+    DETECTOR.check("engine_checksum"): ("digest",),
+}  # fmt: skip
 SKIP_REASON: Final = _label(
     "reason",
     {
@@ -390,9 +403,11 @@ DAEMON_FAMILIES: Final = (
         (*ENGINE_LABELS, "detector"),
     ),
     Family(
-        "kvwatch_incidents",
+        "kvwatch_findings",
         "counter",
-        "Detection events committed to the journal (one per affected request and finding).",
+        "Findings committed to the journal: one per detector event. One affected request found"
+        " by several detectors, or at several doors, is several findings and one incident"
+        " (kvwatch_affected_requests_total counts incidents, as kvwatch incidents does).",
         ("detector", "role", "kind"),
     ),
     Family(
@@ -529,11 +544,12 @@ PREFIX: Final = "kvwatch_"
 class DaemonCounter:
     """The daemon's own counters, by name: the keys of its state's ``daemon`` totals (with
     their labels, in the order of the family's), the rows of the journal's ``counters`` table
-    (stored by these names: never rename one) and, with :data:`PREFIX`, the catalogued counter
-    family each is exposed as. The reader, the pager, /metrics and the status page name them
-    only through these."""
+    (stored by these names: renaming one takes a journal migration) and, with :data:`PREFIX`,
+    the catalogued counter family each is exposed as. The reader, the pager, /metrics and the
+    status page name them only through these."""
 
-    INCIDENTS: Final = "incidents"
+    #: Stored as "incidents" before journal schema 5 (migrated: tables.FINDINGS_RENAMED).
+    FINDINGS: Final = "findings"
     AFFECTED_REQUESTS: Final = "affected_requests"
     EXPOSED_REQUESTS: Final = "exposed_requests"
     TRANSFER_MISMATCHES: Final = "transfer_mismatches"

@@ -68,6 +68,22 @@ def _grid(sets: tuple[tuple[str, ...], ...]) -> Iterator[LabelKey]:
     return itertools.product(*sets)
 
 
+#: The labels of the families that count findings (``mismatches``, ``findings``).
+_FINDING_LABELS: Final = (catalogue.DETECTOR, catalogue.ROLE, catalogue.KIND)
+_POSSIBLE_FINDINGS: Final = frozenset(
+    (detector, role, kind)
+    for detector, kinds in catalogue.DETECTOR_KINDS.items()
+    for role in catalogue.ROLE.values
+    for kind in kinds
+)
+
+
+def _finding_keys(observed: Iterable[LabelKey]) -> list[LabelKey]:
+    """The (detector, role, kind) series of a findings family: every pair a detector can
+    report, for every role, initialised; and whatever else was counted (``other`` included)."""
+    return sorted(_POSSIBLE_FINDINGS | set(observed))
+
+
 class KvwatchCollector(Collector):
     """The daemon's /metrics; ``gpus`` is read at scrape time (as node_exporter does)."""
 
@@ -135,14 +151,20 @@ class KvwatchCollector(Collector):
             metric = CounterMetricFamily(
                 series.family, series.help, labels=list(series.label_names)
             )
-            for key in _grid(tuple(label.sorted_values for label in series.labels)):
+            if series.labels == _FINDING_LABELS:  # only the pairs a detector can report
+                keys: Iterable[LabelKey] = _finding_keys(
+                    {k: v for (f, k), v in totals.items() if f == series.family}
+                )
+            else:
+                keys = _grid(tuple(label.sorted_values for label in series.labels))
+            for key in keys:
                 metric.add_metric(list(key), totals.get((series.family, key), 0.0))
             yield metric
-        incidents = _family("kvwatch_incidents")
-        labels = (catalogue.DETECTOR, catalogue.ROLE, catalogue.KIND)
-        for key in _grid(tuple(label.sorted_values for label in labels)):
-            incidents.add_metric(list(key), state.daemon.get((DaemonCounter.INCIDENTS, key), 0.0))
-        yield incidents
+        findings = _family("kvwatch_findings")
+        counted = {k: v for (name, k), v in state.daemon.items() if name == DaemonCounter.FINDINGS}
+        for key in _finding_keys(counted):
+            findings.add_metric(list(key), counted.get(key, 0.0))
+        yield findings
         yield self._transfer_mismatches()
         for counter in (
             DaemonCounter.AFFECTED_REQUESTS,

@@ -184,7 +184,7 @@ def health(state: State) -> Health:
         # came (an engine killed right after the event) must not read "no KV mismatch".
         incidents: dict[str, float] = {}
         for (name, labels), value in state.daemon.items():
-            if name == DaemonCounter.INCIDENTS and value:
+            if name == DaemonCounter.FINDINGS and value:
                 incidents[labels[0]] = incidents.get(labels[0], 0.0) + value
         for detector, value in incidents.items():
             mismatches[detector] = max(mismatches.get(detector, 0.0), value)

@@ -435,3 +435,18 @@ def test_late_writer_read_later_is_named_by_the_tags_at_allocation() -> None:
     decode.pool.mark_written(pages[:1], reader.tags)  # the next owner's write lands first
     (verdict,) = [v for v in decode.resolve() if v.kind == "write_to_free_page"]
     assert verdict.request_id == "aborted" and verdict.detail["next_owner"] == "next-owner"
+
+
+def test_each_detector_reports_the_kinds_the_catalogue_names_for_it() -> None:
+    """The catalogue's DETECTOR_KINDS is what /metrics initialises: each hooked detector's kinds
+    are exactly its entry (a new kind not added there would be exposed only once counted)."""
+    from engine_hooks.detectors import Admission, Canary, PageTags, TransferChecksum
+    from kvspool import catalogue
+
+    for detector in (Canary, TransferChecksum, PageTags, Admission):
+        kinds = {
+            value
+            for name, value in vars(detector).items()
+            if name.isupper() and isinstance(value, str) and value in catalogue.KIND.values
+        }
+        assert kinds == set(catalogue.DETECTOR_KINDS[detector.name]), detector.name

@@ -393,7 +393,7 @@ def test_check_config_reads_the_config_as_the_daemon_would(
     broken = node.root / "broken.toml"
     for change, says in (
         ('\nspool_dri = "/x"\n', "spool_dri"),
-        ('\nretention = "30 days"\n', "retention"),
+        ('\nidle_grace = "5 seconds"\n', "idle_grace"),
         ('\nalertmanager_password_file = "/root/am-password"\n', "alertmanager_password_file"),
     ):
         broken.write_text(text + change)

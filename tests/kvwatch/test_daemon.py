@@ -90,7 +90,7 @@ def test_daemon_end_to_end(daemon: DaemonProcess, tmp_path: Path) -> None:
     text = wait_for(daemon, "kvwatch_spool_records_total", 6.0)
     assert samples(text, "kvwatch_spool_records_total") == {(): 6.0}
     assert samples(text, "kvwatch_producers") == {(): 1.0}
-    incidents = samples(text, "kvwatch_incidents_total")
+    incidents = samples(text, "kvwatch_findings_total")
     decode_canary = (("detector", "canary"), ("kind", "unwritten_page"), ("role", "decode"))
     assert incidents[decode_canary] == 2.0
     band = samples(text, "kvwatch_unsafe_band_tokens")

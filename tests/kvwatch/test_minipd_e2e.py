@@ -49,7 +49,7 @@ def test_minipd_hooks_reach_metrics_and_incidents(tmp_path: Path) -> None:
             mismatches = {
                 k: v for k, v in samples(text, "kvwatch_mismatches_total").items() if v > 0
             }
-            incidents = samples(text, "kvwatch_incidents_total")
+            incidents = samples(text, "kvwatch_findings_total")
             # prefill's findings can land a scrape before decode's: wait for the reader's
             decode = any(("role", "decode") in k for k in mismatches)
             if decode and any(v > 0 for v in incidents.values()):

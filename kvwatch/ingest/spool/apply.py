@@ -164,7 +164,7 @@ class RecordApplier(SpoolDirectory):
             )
 
     def _count_incidents(self) -> int:
-        """Add the incidents seen to ``kvwatch_incidents_total``; returns how many."""
+        """Add the findings seen to ``kvwatch_findings_total``; returns how many."""
         keys = self._incident_keys
         total = 0
         for raw, count in self._incidents_seen.items():
@@ -173,7 +173,7 @@ class RecordApplier(SpoolDirectory):
                 if len(keys) >= 4096:  # fresh junk values: bounded memory
                     keys.clear()
                 key = keys[raw] = (
-                    DaemonCounter.INCIDENTS,
+                    DaemonCounter.FINDINGS,
                     (_DETECTOR(raw[1]), _ROLE(raw[0]), _KIND(raw[2])),
                 )
             self._count(*key, count)

@@ -34,6 +34,7 @@ from kvwatch.store.journal.tables import (
     _PRODUCER_COLUMNS,
     _SCHEMA,
     FINDING_COLUMNS,
+    FINDINGS_RENAMED,
     PRODUCER_ADDED,
     SCHEMA_VERSION,
     AckRow,
@@ -116,17 +117,7 @@ class Journal(JournalQueries):
         elif row and int(row[0]) != SCHEMA_VERSION:
             raise JournalError(f"{self.path}: journal schema {row[0]}, expected {SCHEMA_VERSION}")
         self.db.executescript(_SCHEMA)
-        # A field added to Finding is a column added to a journal that predates it.
-        for name in sorted(set(FINDING_COLUMNS) - self._finding_columns()):
-            default = _default(name)
-            column = _columns(Finding, (name,)) + (
-                "" if default == "NULL" else f" DEFAULT {default}"
-            )
-            self.db.execute(f"ALTER TABLE incidents ADD COLUMN {column}")
-        have = {row[1] for row in self.db.execute("PRAGMA table_info(producers)")}
-        for name, definition in PRODUCER_ADDED.items():
-            if name not in have:
-                self.db.execute(f"ALTER TABLE producers ADD COLUMN {name} {definition}")
+        self._catch_up(int(row[0]) if row else SCHEMA_VERSION)
         if not row:
             self.db.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
@@ -168,6 +159,22 @@ class Journal(JournalQueries):
             raise JournalError(
                 f"{self.path}: journal schema {schema}, expected 2 to {SCHEMA_VERSION}"
             )
+
+    def _catch_up(self, was: int) -> None:
+        """What a journal of schema ``was`` lacks beside the migrations: the columns added to
+        Finding and Producer since, and the finding counter's new name."""
+        for name in sorted(set(FINDING_COLUMNS) - self._finding_columns()):
+            default = _default(name)
+            column = _columns(Finding, (name,)) + (
+                "" if default == "NULL" else f" DEFAULT {default}"
+            )
+            self.db.execute(f"ALTER TABLE incidents ADD COLUMN {column}")
+        if was < FINDINGS_RENAMED[0]:
+            self.db.execute(FINDINGS_RENAMED[1])
+        have = {column[1] for column in self.db.execute("PRAGMA table_info(producers)")}
+        for name, definition in PRODUCER_ADDED.items():
+            if name not in have:
+                self.db.execute(f"ALTER TABLE producers ADD COLUMN {name} {definition}")
 
     def close(self) -> None:
         self.db.close()

@@ -119,6 +119,9 @@ def _select(table: str, row: type[tuple[Any, ...]]) -> str:
     return f"SELECT {', '.join(fields)} FROM {table}"
 
 
+#: Schema 5 renamed the daemon's finding counter (kvwatch_incidents_total counted findings, not
+#: incidents): a journal older than 5 has its rows under the old name.
+FINDINGS_RENAMED: Final = (5, "UPDATE counters SET name = 'findings' WHERE name = 'incidents'")
 #: Producer columns newer than the producers table of some journals, with their definitions.
 PRODUCER_ADDED: Final = {
     "mode": "TEXT NOT NULL DEFAULT ''",

@@ -434,7 +434,7 @@ def test_the_evaluation_reads_the_one_collector_metrics_serves(tmp_path: Path) -
         ]
         source = daemon.evaluator.source
         assert getattr(source, "__self__", None) is collector
-        daemon.state.daemon[("incidents", ("canary", "decode", "unwritten_page"))] += 1
+        daemon.state.daemon[("findings", ("canary", "decode", "unwritten_page"))] += 1
         served = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in daemon.registry.collect()

@@ -108,9 +108,16 @@ def test_golden_metrics_and_promtool(spool: Path, journal: Journal, tmp_path: Pa
 
 def test_every_known_series_starts_at_zero(journal: Journal) -> None:
     families = {f.name: f for f in text_string_to_metric_families(render(journal.load()))}
-    mismatches = families["kvwatch_mismatches"].samples
-    assert len(mismatches) == 7 * 4 * 11  # detectors (with other) x roles x kinds (with other)
-    assert {s.value for s in mismatches} == {0.0}
+    pairs = sum(len(kinds) for kinds in catalogue.DETECTOR_KINDS.values())
+    for name in ("kvwatch_mismatches", "kvwatch_findings"):
+        # Only the (detector, kind) pairs a detector can report, for every role (with other):
+        # 12 x 4 = 48, not every detector x role x kind (7 x 4 x 11 = 308).
+        samples = families[name].samples
+        assert len(samples) == pairs * 4 == 48, name
+        assert {s.value for s in samples} == {0.0}
+        kinds = {(s.labels["detector"], s.labels["kind"]) for s in samples}
+        assert ("admission", "digest") not in kinds and ("canary", "digest") not in kinds
+        assert ("checksum", "digest") in kinds and ("admission", "aborted_admitted") in kinds
     rejected = {s.labels["reason"] for s in families["kvwatch_spool_rejected"].samples}
     assert {"crc", "torn", "owner", "schema", "oversize", "sequence"} <= rejected
     assert families["kvwatch_nvml_up"].samples[0].value == 0
@@ -120,7 +127,7 @@ def test_every_known_series_starts_at_zero(journal: Journal) -> None:
     for name in (
         "kvwatch_spool_records",
         "kvwatch_spool_lost_records",
-        "kvwatch_incidents",
+        "kvwatch_findings",
         "kvwatch_exposed_requests",
     ):
         assert all(s.value == 0 for s in families[name].samples)
@@ -147,6 +154,17 @@ def test_unknown_label_values_become_other_and_models_are_bounded(
     }
     assert verified["other"] == 20
     assert "req-" not in render(state)  # request ids never become labels
+    # A pair outside the possible ones (a newer producer's kind) is exposed as it comes.
+    odd = Producer(spool, "sglang-decode-r0-99-eeee0099", role="decode")
+    odd.append(odd.hello(), odd.event("r1", detector="canary", kind="digest"))
+    reader.poll()
+    families = {f.name: f for f in text_string_to_metric_families(render(state))}
+    found = {
+        (s.labels["detector"], s.labels["kind"]): s.value
+        for s in families["kvwatch_findings"].samples
+        if s.labels["role"] == "decode"
+    }
+    assert found[("canary", "digest")] == 1 and found[("canary", "unwritten_page")] == 0
 
 
 def test_metrics_hold_no_request_ids_or_prompt_text(spool: Path, journal: Journal) -> None:

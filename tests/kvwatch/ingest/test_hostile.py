@@ -269,7 +269,7 @@ def test_a_daemon_bug_costs_one_record_dead_lettered(
     assert state.daemon[("spool_rejected", ("internal",))] == 1
     assert state.daemon.get(("spool_lost_records", ()), 0) == 0
     # Each stored incident counted once (on 072e6c2, a1 twice: once in the failed pass).
-    assert state.daemon[("incidents", ("canary", "decode", "unwritten_page"))] == 3
+    assert state.daemon[("findings", ("canary", "decode", "unwritten_page"))] == 3
     # The next poll goes on as usual; nothing is read twice.
     a.append(a.event("a5"))
     reader.poll()

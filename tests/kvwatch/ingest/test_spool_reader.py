@@ -58,7 +58,7 @@ def test_an_incident_takes_the_labels_its_producer_had_when_it_was_read(
     assert reader.poll().records == 4
     rows = [(i.request_id, i.model, i.role, i.rank) for i in journal.incidents()]
     assert rows == [("before", "", "other", 0), ("after", "glm-5.3", "decode", 0)]
-    counted = {k[1]: v for k, v in state.daemon.items() if k[0] == "incidents"}
+    counted = {k[1]: v for k, v in state.daemon.items() if k[0] == "findings"}
     assert counted == {
         ("canary", "other", "unwritten_page"): 1,
         ("canary", "decode", "unwritten_page"): 1,

@@ -371,3 +371,29 @@ def test_a_journal_older_than_a_finding_field_reads_it_and_gains_its_column(
         r[1] for r in reopened.db.execute("PRAGMA table_info(incidents)")
     }
     reopened.close()
+
+
+def test_a_schema_4_journals_finding_counts_keep_their_totals_under_the_new_name(
+    tmp_path: Path,
+) -> None:
+    """Schema 5 names the finding counter ``findings`` (it was ``incidents``, and counted
+    findings): a schema-4 journal's counts move to it, so kvwatch_findings_total starts where
+    kvwatch_incidents_total was, never at 0."""
+    import sqlite3
+
+    from kvwatch.store.journal.writes import _labels_text
+
+    path = tmp_path / "v4.db"
+    Journal(path).close()
+    db = sqlite3.connect(path)
+    labels = _labels_text(("canary", "decode", "unwritten_page"))
+    db.execute("UPDATE meta SET value = '4' WHERE key = 'schema'")
+    db.execute("INSERT INTO counters VALUES ('incidents', ?, 5)", (labels,))
+    db.commit()
+    db.close()
+    journal = Journal(path)
+    state = journal.load()
+    assert state.daemon[("findings", ("canary", "decode", "unwritten_page"))] == 5
+    assert ("incidents", ("canary", "decode", "unwritten_page")) not in state.daemon
+    assert journal.meta("schema") == "5"
+    journal.close()
