@@ -158,10 +158,7 @@ SETTING: Final = _label(
     "setting",
     {
         "mode": "the detectors' mode: off, log or enforce",
-        "mode_canary": "the canary detector's own mode",
-        "mode_checksum": "the checksum detector's own mode",
-        "mode_page_tag": "the page_tag detector's own mode",
-        "mode_admission": "the admission detector's own mode",
+        **{f"mode_{name}": f"the {name} detector's own mode" for name in HOOKED_DETECTORS},
         "scrub": "when freed or reserved pages are overwritten: off, on_free or on_reserve",
         "flush_interval": "seconds between the hooks' counter and gauge records",
         "freed_watch_s": "seconds an aborted transfer's released pages are watched",

@@ -302,8 +302,8 @@ class SpoolWriter:
         elif self._missing:
             why = (
                 "the folder does not exist. The hooks never create it: the kvwatch daemon's"
-                " install does (the unit's RuntimeDirectory; without systemd, the README's"
-                " install -d); is KVWATCH_SPOOL the daemon's spool_dir?"
+                " install does (the unit's RuntimeDirectory; without systemd, `kvwatch init`);"
+                " is KVWATCH_SPOOL the daemon's spool_dir?"
             )
         else:
             why = f"{exc.strerror or exc}; set KVWATCH_SPOOL to a folder this user can write"

@@ -51,6 +51,9 @@ from kvwatch.store.journal import MAX_RETIRED_PRODUCERS, Journal, JournalError
 
 #: How often old journal rows are pruned.
 PRUNE_SECONDS: Final = 600.0
+#: ... and how often while more producers are kept than the journal's MAX_RETIRED_PRODUCERS.
+CROWDED_PRUNE_SECONDS: Final = 60.0
+MAX_BACKOFF: Final = 5.0
 #: The settings that decide where alerts go and how: a change rebuilds the fast path's notifier
 #: and evaluator (every Alertmanager's send loop, anew).
 _PAGER_SETTINGS: Final = frozenset(
@@ -62,9 +65,8 @@ _PAGER_SETTINGS: Final = frozenset(
 RELOADABLE: Final = _PAGER_SETTINGS | {
     "retention", "records_retention", "poll_interval", "idle_grace", "logs",
 }  # fmt: skip
-#: ... and how often while more producers are kept than the journal's MAX_RETIRED_PRODUCERS.
-CROWDED_PRUNE_SECONDS: Final = 60.0
-MAX_BACKOFF: Final = 5.0
+# Each a Config field: a misspelt name here would never apply, silently.
+assert not RELOADABLE - {f.name for f in dataclasses.fields(Config)}, RELOADABLE
 
 
 class DaemonError(Exception):
